@@ -1,0 +1,93 @@
+"""Merged provider: dedupe across providers, static first, never empty, apply on change."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+
+from extractedprism.endpoints import Endpoint, parse_endpoint
+from extractedprism.merge import Merger
+from extractedprism.metrics import Metrics
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def eps(*texts: str) -> list[Endpoint]:
+    return [parse_endpoint(t) for t in texts]
+
+
+Setup = tuple[Merger, list[list[Endpoint]], Metrics]
+
+
+@pytest.fixture
+def setup() -> Setup:
+    applied: list[list[Endpoint]] = []
+    metrics = Metrics()
+    return Merger(applied.append, metrics), applied, metrics
+
+
+def test_static_then_kubernetes_deduped(setup: Setup) -> None:
+    m, applied, _ = setup
+    m.update("static", eps("10.0.0.2:6443", "10.0.0.1:6443"))
+    m.update("kubernetes", eps("10.0.0.1:6443", "10.0.0.3:6443"))
+    assert applied == [eps("10.0.0.2:6443", "10.0.0.1:6443"),
+                       eps("10.0.0.2:6443", "10.0.0.1:6443", "10.0.0.3:6443")]
+
+
+def test_static_first_even_if_kubernetes_arrives_first(setup: Setup) -> None:
+    m, applied, _ = setup
+    m.update("kubernetes", eps("10.0.0.3:6443"))
+    m.update("static", eps("10.0.0.1:6443"))
+    assert applied[-1] == eps("10.0.0.1:6443", "10.0.0.3:6443")
+
+
+def test_unchanged_merge_not_applied_but_counted(setup: Setup) -> None:
+    m, applied, metrics = setup
+    m.update("static", eps("10.0.0.1:6443"))
+    m.update("kubernetes", eps("10.0.0.1:6443"))
+    m.update("kubernetes", eps("10.0.0.1:6443"))
+    assert applied == [eps("10.0.0.1:6443")]
+    name = "extractedprism_discovery_updates_total"
+    assert metrics.sample(name, {"provider": "kubernetes"}) == 2
+    assert metrics.sample(name, {"provider": "static"}) == 1
+
+
+def test_empty_merge_is_skipped(setup: Setup) -> None:
+    m, applied, _ = setup
+    m.update("kubernetes", [])
+    assert applied == []
+    m.update("kubernetes", eps("10.0.0.3:6443"))
+    m.update("kubernetes", [])  # would be empty: keep routing to the last list
+    assert applied == [eps("10.0.0.3:6443")]
+    assert m.current() == eps("10.0.0.3:6443")
+
+
+def test_removing_every_discovered_endpoint_leaves_static(setup: Setup) -> None:
+    m, applied, _ = setup
+    m.update("static", eps("10.0.0.1:6443"))
+    m.update("kubernetes", eps("10.0.0.5:6443"))
+    m.update("kubernetes", [])
+    assert applied[-1] == eps("10.0.0.1:6443")
+
+
+def test_thread_safe_updates_end_consistent(setup: Setup) -> None:
+    m, applied, metrics = setup
+    m.update("static", eps("10.0.0.1:6443"))
+
+    def worker() -> None:
+        for i in range(200):
+            m.update("kubernetes", eps(f"10.0.1.{i % 7 + 1}:6443"))
+
+    threads = [threading.Thread(target=worker, name=f"merge-worker-{i}") for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    m.update("kubernetes", eps("10.0.2.1:6443"))
+    assert applied[-1] == eps("10.0.0.1:6443", "10.0.2.1:6443")
+    assert metrics.sample("extractedprism_discovery_updates_total",
+                          {"provider": "kubernetes"}) == 801
+    for a, b in itertools.pairwise(applied):
+        assert a != b
