@@ -1,0 +1,218 @@
+"""App: wires the parts, starts the threads in dependency order, shuts down in order.
+
+Start: bind the listener and the health port first (so a port clash fails before any
+thread runs), feed the static endpoints, then start discovery, the ticker, the
+acceptor, the heartbeat and the health server.
+
+Stop (spec, "Graceful shutdown"): stop discovery, shut the proxy down (close the
+listener, force-close in-flight connections, wait up to 5 s for pipe threads), then
+give the health server 5 s. Any thread that outlives its deadline is logged by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+
+from extractedprism.config import Config
+from extractedprism.merge import Merger
+from extractedprism.metrics import Metrics
+from extractedprism.probes import ReadyzSettings
+from extractedprism.proxy import Proxy
+from extractedprism.registry import Registry
+from extractedprism.ticker import Ticker
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 5.0
+
+
+class Heartbeat:
+    """Liveness: every --liveness-interval, confirm the registry lock can be taken and
+    the acceptor, ticker and discovery threads are alive and turning; /healthz fails
+    when the last confirmation is older than --liveness-threshold."""
+
+    def __init__(self, app: App, *, interval: float, threshold: float, stop: threading.Event,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._app = app
+        self._interval = interval
+        self._threshold = threshold
+        self._stop = stop
+        self._clock = clock
+        self.last_beat = clock()
+        self.last_problem = ""
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(name="heartbeat", target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.check()
+
+    def check(self) -> bool:
+        problem = self._app.liveness_problem(self._interval)
+        if problem:
+            if problem != self.last_problem:
+                log.error("liveness check failed reason=%r", problem)
+            self.last_problem = problem
+            return False
+        if self.last_problem:
+            log.info("liveness check passes again")
+            self.last_problem = ""
+        self.last_beat = self._clock()
+        return True
+
+    def alive(self) -> bool:
+        return (self._clock() - self.last_beat <= self._threshold
+                and self._thread is not None and self._thread.is_alive())
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+class App:
+    """One extractedprism instance (the CLI runs one; tests run many in-process)."""
+
+    def __init__(self, config: Config, *, metrics: Metrics | None = None,
+                 stop: threading.Event | None = None, sa_dir: str | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.config = config
+        self.stop_event = stop or threading.Event()
+        self.metrics = metrics or Metrics()
+        self._sa_dir = sa_dir
+        self.registry = Registry(
+            metrics=self.metrics,
+            selection=config.upstream_selection,
+            readyz=config.health_check == "readyz",
+            drain_timeout=config.drain_timeout,
+            max_connections=config.max_connections,
+            rng=rng,
+        )
+        self.metrics.attach_state(self.registry.snapshot)
+        readyz = None
+        if config.health_check == "readyz":
+            readyz = ReadyzSettings(
+                ca_file=config.health_check_ca_file,
+                server_name=config.health_check_server_name,
+                cert_file=config.health_check_cert_file,
+                key_file=config.health_check_key_file,
+                token_file=config.health_check_token_file,
+            )
+        self.ticker = Ticker(self.registry, interval=config.health_interval,
+                             timeout=config.health_timeout, readyz=readyz,
+                             stop=self.stop_event,
+                             max_wait=min(config.liveness_interval, config.health_interval))
+        self.registry.on_change = self.ticker.wake
+        self.registry.set_probe_now(self.ticker.probe_now)
+        self.proxy = Proxy(self.registry, bind_address=config.bind_address,
+                           bind_port=config.bind_port, dial_timeout=config.health_timeout,
+                           max_connections=config.max_connections)
+        self.merger = Merger(self.registry.set_endpoints, self.metrics)
+        self.discovery = None
+        self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
+                                   threshold=config.liveness_threshold, stop=self.stop_event)
+        self.health = None  # created in start(), after the proxy port is bound
+        self._started = False
+
+    # -- addresses -------------------------------------------------------------------
+
+    @property
+    def proxy_address(self) -> tuple[str, int]:
+        return self.proxy.address
+
+    @property
+    def health_address(self) -> tuple[str, int]:
+        assert self.health is not None
+        return self.health.address
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        from extractedprism.httpd import HealthServer
+
+        cfg = self.config
+        self.proxy.bind()
+        try:
+            self.health = HealthServer(self.registry, self.metrics, self.alive,
+                                       host=cfg.health_bind_address, port=cfg.health_port)
+        except OSError:
+            self.proxy.close_listener()
+            raise
+        self.merger.update("static", list(cfg.endpoints))
+        if cfg.enable_discovery:
+            self._start_discovery()
+        self.ticker.start()
+        self.proxy.start()
+        self.heartbeat.start()
+        self.health.start()
+        self._started = True
+        host, port = self.proxy.address
+        hhost, hport = self.health.address
+        log.info("extractedprism started listen=%s:%d health=%s:%d endpoints=%s selection=%s "
+                 "health_check=%s discovery=%s", host, port, hhost, hport,
+                 ",".join(str(e) for e in cfg.endpoints), cfg.upstream_selection,
+                 cfg.health_check, cfg.enable_discovery)
+
+    def _start_discovery(self) -> None:
+        from extractedprism.watch import KubernetesProvider
+
+        provider = "kubernetes"
+        self.discovery = KubernetesProvider(
+            self.config.replace(bind_port=self.proxy.address[1]),
+            self._on_discovered, self.metrics, self.stop_event, sa_dir=self._sa_dir)
+        try:
+            self.discovery.start()
+        except Exception:
+            # Provider failures are isolated: static endpoints keep working.
+            log.exception("discovery failed to start; static endpoints only")
+            self.metrics.discovery_errors_total.labels(provider=provider).inc()
+            self.discovery = None
+
+    def _on_discovered(self, endpoints: list) -> None:  # type: ignore[type-arg]
+        self.merger.update("kubernetes", endpoints)
+
+    def liveness_problem(self, lock_timeout: float) -> str:
+        """Empty when alive, else what is wrong (heartbeat thread)."""
+        if not self.registry.lock.acquire(timeout=lock_timeout):
+            return "registry lock not acquired"
+        self.registry.lock.release()
+        if not self.proxy.acceptor_alive():
+            return "acceptor thread exited"
+        if not self.ticker.alive():
+            return "ticker thread exited"
+        age = time.monotonic() - self.ticker.last_loop
+        if age > self.config.liveness_threshold:
+            return f"ticker loop stalled for {age:.1f}s"
+        if self.discovery is not None and not self.discovery.is_healthy():
+            return "discovery thread exited"
+        return ""
+
+    def alive(self) -> bool:
+        return self._started and not self.stop_event.is_set() and self.heartbeat.alive()
+
+    def stop(self) -> bool:
+        """Ordered, bounded shutdown; True when every thread finished in time."""
+        self.stop_event.set()
+        ok = True
+        if self.discovery is not None:
+            ok &= bool(self.discovery.stop_and_join(SHUTDOWN_TIMEOUT_S))
+        ok &= self.proxy.shutdown(SHUTDOWN_TIMEOUT_S)
+        ok &= self.ticker.join(SHUTDOWN_TIMEOUT_S)
+        self.heartbeat.join(1.0)
+        if self.health is not None:
+            ok &= self.health.shutdown(SHUTDOWN_TIMEOUT_S)
+        log.info("extractedprism stopped clean=%s", ok)
+        return ok
+
+    def __enter__(self) -> App:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

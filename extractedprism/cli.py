@@ -1,0 +1,107 @@
+"""Command line: flags and EP_ env vars -> validate -> logging -> App -> wait for a signal.
+
+Runs on the main thread. Signal handlers only set the stop Event; the main thread then
+runs the ordered shutdown. SIGUSR1 dumps every thread's stack to stderr (faulthandler)
+for images without py-spy. Invalid configuration exits with status 2 before any port
+is opened, listing every problem.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import resource
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+import configargparse
+
+from extractedprism import __version__
+from extractedprism.config import FLAGS, Config, ConfigError, validate
+from extractedprism.logsetup import setup_logging
+
+log = logging.getLogger("extractedprism")
+
+
+def build_parser() -> configargparse.ArgumentParser:
+    parser = configargparse.ArgumentParser(
+        prog="extractedprism",
+        description="Per-node TCP load balancer for Kubernetes API server high availability. "
+        "Every flag can also be set through its EP_ environment variable.",
+        formatter_class=configargparse.ArgumentDefaultsHelpFormatter,
+    )
+    for flag in FLAGS:
+        kwargs: dict[str, object] = {
+            "env_var": flag.env,
+            "dest": flag.dest,
+            "default": None,
+            "help": f"{flag.help} (default: {flag.default if flag.default is not None else '-'})",
+            "metavar": flag.kind.upper() if flag.kind != "choice" else "{" + ",".join(
+                flag.choices) + "}",
+        }
+        if flag.kind == "bool":
+            # `--enable-discovery` alone means true; `--enable-discovery=false` works too.
+            kwargs.update(nargs="?", const="true")
+        parser.add_argument(flag.option, **kwargs)  # type: ignore[arg-type]
+    parser.add_argument("--version", action="version", version=f"extractedprism {__version__}")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> Config:
+    """Parse and validate; raises ConfigError listing every problem."""
+    ns = build_parser().parse_args(argv)
+    return validate(vars(ns))
+
+
+def _raise_fd_limit() -> None:
+    # Each connection needs two sockets (plus a reusable kernel pipe pair per pipe
+    # thread); the soft limit is often 1024 while the hard limit is far higher.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        print("extractedprism: invalid configuration:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
+
+    setup_logging(config.log_level)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _raise_fd_limit()
+    # Shorter GIL slices cut the wait of a woken pipe thread under many connections.
+    sys.setswitchinterval(0.001)
+
+    from extractedprism.app import App
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()  # nothing else: the main thread does the shutdown
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    app = App(config, stop=stop)
+    try:
+        app.start()
+    except OSError as exc:
+        log.critical("start-up failed error=%r", f"{exc.strerror or exc}")
+        print(f"extractedprism: cannot start: {exc}", file=sys.stderr)
+        app.stop()
+        return 1
+    while not stop.wait(3600):
+        pass
+    log.info("signal received; shutting down")
+    app.stop()
+    return 0

@@ -1,0 +1,108 @@
+"""Endpoint value type and host:port parsing (pure).
+
+An endpoint is what the spec calls a "host:port pair where the host is a valid IP
+address or RFC 1123 hostname and port is a number in the range 1-65535". IPv6
+literals are written in brackets (``[fd00::1]:6443``) so the string form is
+unambiguous and round-trips through :func:`parse_endpoint`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+# RFC 1123 label: letters, digits and hyphens, not starting or ending with a hyphen,
+# at most 63 characters; the whole name at most 253 characters.
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def is_rfc1123_hostname(text: str) -> bool:
+    if not text or len(text) > 253:
+        return False
+    name = text[:-1] if text.endswith(".") else text
+    return bool(name) and all(_LABEL.match(label) for label in name.split("."))
+
+
+def is_valid_host(text: str) -> bool:
+    """True for an IP address (v4 or v6, without brackets) or an RFC 1123 hostname."""
+    return is_ip(text) or is_rfc1123_hostname(text)
+
+
+@dataclass(frozen=True, order=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        if ":" in self.host:
+            return f"[{self.host}]:{self.port}"
+        return f"{self.host}:{self.port}"
+
+    @property
+    def is_hostname(self) -> bool:
+        return not is_ip(self.host)
+
+
+def parse_port(text: str) -> int:
+    """Parse a TCP port in 1-65535; raises ValueError with a reason."""
+    if not text.isdigit():
+        raise ValueError(f"port {text!r} is not a number")
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is outside 1-65535")
+    return port
+
+
+def parse_endpoint(text: str) -> Endpoint:
+    """Parse ``host:port`` / ``[v6]:port``; raises ValueError naming what is wrong."""
+    raw = text.strip()
+    if not raw:
+        raise ValueError("empty endpoint")
+    if raw.startswith("["):
+        close = raw.find("]")
+        if close == -1 or not raw[close + 1 :].startswith(":"):
+            raise ValueError(f"{raw!r} is not host:port (expected [ipv6]:port)")
+        host, port_text = raw[1:close], raw[close + 2 :]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{raw!r}: {host!r} is not an IPv6 address") from None
+    else:
+        host, sep, port_text = raw.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"{raw!r} is not host:port")
+        if ":" in host:
+            raise ValueError(f"{raw!r}: an IPv6 address must be written in brackets, [addr]:port")
+        if not is_valid_host(host):
+            raise ValueError(f"{raw!r}: host {host!r} is not an IP address or RFC 1123 hostname")
+    try:
+        port = parse_port(port_text)
+    except ValueError as exc:
+        raise ValueError(f"{raw!r}: {exc}") from None
+    return Endpoint(host, port)
+
+
+def parse_endpoint_list(text: str) -> tuple[list[Endpoint], list[str]]:
+    """Parse a comma-separated list; returns (endpoints, problems), deduplicated in order."""
+    endpoints: list[Endpoint] = []
+    problems: list[str] = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        try:
+            ep = parse_endpoint(item)
+        except ValueError as exc:
+            problems.append(str(exc))
+            continue
+        if ep not in endpoints:
+            endpoints.append(ep)
+    return endpoints, problems

@@ -1,0 +1,58 @@
+"""Small helpers shared by the tests: polling instead of sleeping, free ports, subprocesses."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def wait_until(pred: Callable[[], T], timeout: float = 10.0, interval: float = 0.02,
+               message: str = "") -> T:
+    """Poll ``pred`` until it returns a truthy value; fail the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    last: T = pred()
+    while not last:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message or pred}")
+        time.sleep(interval)
+        last = pred()
+    return last
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (for subprocesses that need a fixed --bind-port)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 20.0
+            ) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m extractedprism`` to completion (for validation tests)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
+    full_env.update(env or {})
+    return subprocess.run([PYTHON, "-m", "extractedprism", *args], capture_output=True,
+                          text=True, env=full_env, timeout=timeout, cwd=ROOT)
