@@ -1,0 +1,608 @@
+"""A faithful fake kube-apiserver for the EndpointSlice discovery tests.
+
+Real HTTPS on loopback (a ``trustme`` CA made at run time, serving certificate for
+``kubernetes.default.svc``, ``localhost``, 127.0.0.1 and ::1), bearer-token auth (401 with
+a ``Status`` otherwise), and the two calls the watcher makes, in the wire format of the
+Kubernetes API (https://kubernetes.io/docs/reference/using-api/api-concepts/):
+
+* ``GET /apis/discovery.k8s.io/v1/namespaces/<ns>/endpointslices?labelSelector=...``
+  -> ``EndpointSliceList`` with ``metadata.resourceVersion``;
+* the same path with ``watch=true&resourceVersion=...&allowWatchBookmarks=true&
+  timeoutSeconds=...`` -> ``Transfer-Encoding: chunked`` newline-delimited JSON events
+  ``{"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, "object": {...}}`` with increasing
+  resourceVersions. The stream ends cleanly (terminating chunk) after ``timeoutSeconds``.
+  A resourceVersion older than the last compaction gets ``410 Gone`` (an HTTP 410 with a
+  ``Status`` body by default, or, with ``too_old="event"``, a 200 stream holding one
+  ERROR event whose ``Status`` has code 410 and reason ``Expired``, as the watch cache
+  sends it). Without a resourceVersion (or "0") the stream starts with synthetic ADDED
+  events for the current objects, as the real server does.
+
+It also answers ``/readyz``, ``/livez``, ``/healthz`` and ``/version`` without a token, so
+it can sit behind the proxy as an upstream. Tests drive it with :meth:`set_slice`,
+:meth:`delete_slice`, :meth:`close_streams`, :meth:`drop_streams`, :meth:`expire`,
+:meth:`inject_raw`, :meth:`send_error_event`, :meth:`send_bookmark` and :meth:`fail`, and
+read :attr:`requests` (every request with its monotonic time, path and query).
+
+Threads: one ``fake-apiserver`` accept thread plus one handler thread per connection;
+:meth:`stop` shuts every live connection down and joins them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import queue
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import trustme
+
+log = logging.getLogger(__name__)
+
+SERVICE_LABEL = "kubernetes.io/service-name"
+SLICES_PREFIX = "/apis/discovery.k8s.io/v1/namespaces/"
+SERVER_NAMES = ("kubernetes.default.svc", "kubernetes.default", "localhost", "127.0.0.1", "::1")
+
+_END = object()  # end the stream cleanly (terminating chunk)
+_DROP = object()  # drop the connection mid-stream (no terminating chunk)
+
+
+def make_slice(
+    name: str,
+    addresses: Iterable[str],
+    *,
+    port: int = 6443,
+    port_name: str = "https",
+    address_type: str = "IPv4",
+    not_ready: Iterable[str] = (),
+    namespace: str = "default",
+    service: str = "kubernetes",
+) -> dict[str, Any]:
+    """An EndpointSlice in wire form; each address is its own endpoint, as kube does it."""
+    nr = set(not_ready)
+    addrs = list(addresses)
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {SERVICE_LABEL: service, "endpointslice.kubernetes.io/managed-by":
+                       "endpointslicemirroring-controller.k8s.io"},
+        },
+        "addressType": address_type,
+        "endpoints": [
+            {"addresses": [a], "conditions": {"ready": a not in nr}} for a in addrs
+        ] + [{"addresses": [a], "conditions": {"ready": False}} for a in nr if a not in addrs],
+        "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
+    }
+
+
+def status_object(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+
+
+_REASONS = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 410: "Expired",
+            429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable"}
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    time: float  # time.monotonic() when the request line was read
+    method: str
+    path: str
+    query: dict[str, str]
+    authorized: bool
+
+    @property
+    def is_watch(self) -> bool:
+        return self.query.get("watch") in ("true", "1")
+
+    @property
+    def is_slice_call(self) -> bool:
+        return self.path.startswith(SLICES_PREFIX) and self.path.endswith("/endpointslices")
+
+
+@dataclass(eq=False)
+class _Stream:
+    selector: dict[str, str]
+    bookmarks: bool
+    q: queue.Queue[Any] = field(default_factory=queue.Queue)
+
+
+@dataclass
+class _Failure:
+    kind: str  # "list" | "watch" | "any"
+    status: int
+    remaining: int | None  # None: forever
+
+
+def _parse_selector(text: str) -> dict[str, str] | None:
+    """Equality-based label selector (``k=v,k2==v2``); None if unsupported."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "!=" in part:
+            return None
+        key, sep, value = part.replace("==", "=").partition("=")
+        if not sep:
+            return None
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False  # stop() joins handler threads itself, after waking them
+
+    def __init__(self, fake: FakeApiServer, addr: tuple[str, int], family: int) -> None:
+        self.address_family = family
+        self.fake = fake
+        super().__init__(addr, _Handler)
+
+    def get_request(self) -> tuple[Any, Any]:
+        sock, addr = self.socket.accept()
+        # The handshake runs on the handler thread (see _Handler.setup) so a client that
+        # connects and says nothing (a TCP health check) cannot stall the accept loop.
+        tls = self.fake.ssl_context.wrap_socket(sock, server_side=True,
+                                                do_handshake_on_connect=False)
+        return tls, addr
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        t = threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                             name="fake-apiserver-conn", daemon=True)
+        self.fake._track_thread(t, request)
+        t.start()
+
+    def shutdown_request(self, request: Any) -> None:
+        self.fake._untrack(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("fake apiserver connection error peer=%s", client_address, exc_info=True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+    timeout = 30  # idle keep-alive read deadline
+
+    def setup(self) -> None:
+        self.request.settimeout(10)
+        self.request.do_handshake()
+        self.request.settimeout(self.timeout)
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("fake apiserver " + format, *args)
+
+    def do_GET(self) -> None:
+        self.server.fake._handle(self)
+
+    def do_HEAD(self) -> None:
+        self.server.fake._handle(self)
+
+    # --- response helpers used by FakeApiServer ---
+
+    def send_json(self, code: int, body: Any) -> None:
+        data = (json.dumps(body) + "\n").encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-cache, private")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def send_text(self, code: int, text: str) -> None:
+        data = text.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def send_status(self, code: int, message: str) -> None:
+        self.send_json(code, status_object(code, _REASONS.get(code, "Unknown"), message))
+
+    def write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+
+class FakeApiServer:
+    """See the module docstring. Use as a context manager or call start()/stop()."""
+
+    def __init__(self, token: str = "fake-sa-token", *, host: str = "127.0.0.1",
+                 too_old: str = "http", names: Iterable[str] = SERVER_NAMES) -> None:
+        self.host = host
+        self.too_old = too_old
+        self.tokens = {token}
+        self.ca = trustme.CA()
+        cert = self.ca.issue_cert(*names)
+        self.ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        cert.configure_cert(self.ssl_context)
+        self.sni_names: list[str | None] = []  # the TLS server name of every handshake
+        self.ssl_context.sni_callback = self._record_sni
+        self._lock = threading.Lock()
+        self._rv = 100
+        self._min_rv = 0  # watches from a resourceVersion below this get 410
+        self._slices: dict[tuple[str, str], dict[str, Any]] = {}
+        self._history: list[tuple[int, str, dict[str, Any]]] = []
+        self._streams: list[_Stream] = []
+        self._failures: list[_Failure] = []
+        self.requests: list[RecordedRequest] = []
+        self._threads: list[threading.Thread] = []
+        self._conns: set[Any] = set()
+        self._server: _Server | None = None
+        self._acceptor: threading.Thread | None = None
+
+    # --- lifecycle ---
+
+    def start(self) -> FakeApiServer:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._server = _Server(self, (self.host, 0), family)
+        self._acceptor = threading.Thread(target=self._server.serve_forever,
+                                          kwargs={"poll_interval": 0.05},
+                                          name="fake-apiserver", daemon=True)
+        self._acceptor.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        if self._acceptor is not None:
+            self._acceptor.join(5)
+        with self._lock:
+            for s in self._streams:
+                s.q.put(_DROP)
+            conns = list(self._conns)
+            threads = list(self._threads)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        for t in threads:
+            t.join(5)
+        self._server = None
+
+    def __enter__(self) -> FakeApiServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"https://{host}:{self.port}"
+
+    def ca_pem(self) -> bytes:
+        return self.ca.cert_pem.bytes()
+
+    def write_service_account(self, directory: Path | str) -> Path:
+        """Write ``token`` and ``ca.crt`` as the kubelet mounts them; returns the dir."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "ca.crt").write_bytes(self.ca_pem())
+        (d / "token").write_text(next(iter(self.tokens)))
+        (d / "namespace").write_text("kube-system")
+        return d
+
+    def write_kubeconfig(self, path: Path | str, *, server: str | None = None,
+                         tls_server_name: str | None = None) -> Path:
+        p = Path(path)
+        ca = p.with_suffix(".ca.crt")
+        ca.write_bytes(self.ca_pem())
+        cluster: dict[str, Any] = {"server": server or self.url, "certificate-authority": str(ca)}
+        if tls_server_name:
+            cluster["tls-server-name"] = tls_server_name
+        cfg = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": cluster}],
+            "users": [{"name": "fake", "user": {"token": next(iter(self.tokens))}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+        }
+        p.write_text(json.dumps(cfg))  # JSON is YAML
+        return p
+
+    def _record_sni(self, sock: Any, name: str | None, ctx: Any) -> None:
+        with self._lock:
+            self.sni_names.append(name)
+
+    def _track_thread(self, t: threading.Thread, conn: Any) -> None:
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(t)
+            self._conns.add(conn)
+
+    def _untrack(self, conn: Any) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+
+    # --- test controls: objects ---
+
+    @property
+    def resource_version(self) -> int:
+        with self._lock:
+            return self._rv
+
+    def set_slice(self, obj: dict[str, Any]) -> int:
+        """Create (ADDED) or replace (MODIFIED) a slice; returns its new resourceVersion."""
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        key = (meta.get("namespace", "default"), meta["name"])
+        with self._lock:
+            self._rv += 1
+            meta["resourceVersion"] = str(self._rv)
+            kind = "MODIFIED" if key in self._slices else "ADDED"
+            self._slices[key] = obj
+            self._publish(kind, obj)
+            return self._rv
+
+    def delete_slice(self, name: str, namespace: str = "default") -> int:
+        with self._lock:
+            obj = copy.deepcopy(self._slices.pop((namespace, name)))
+            self._rv += 1
+            obj["metadata"]["resourceVersion"] = str(self._rv)
+            self._publish("DELETED", obj)
+            return self._rv
+
+    def slices(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [copy.deepcopy(o) for o in self._slices.values()]
+
+    def _publish(self, kind: str, obj: dict[str, Any]) -> None:
+        self._history.append((self._rv, kind, obj))
+        line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+        for s in self._streams:
+            if _matches(obj, s.selector):
+                s.q.put(line)
+
+    # --- test controls: streams ---
+
+    def open_streams(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def close_streams(self) -> None:
+        """End every open watch cleanly, as the server does at timeoutSeconds."""
+        with self._lock:
+            for s in self._streams:
+                s.q.put(_END)
+
+    def drop_streams(self) -> None:
+        """Cut every open watch connection mid-stream (no terminating chunk)."""
+        with self._lock:
+            for s in self._streams:
+                s.q.put(_DROP)
+
+    def inject_raw(self, line: bytes) -> None:
+        """Send raw bytes (a line of garbage, say) to every open watch."""
+        with self._lock:
+            for s in self._streams:
+                s.q.put(line if line.endswith(b"\n") else line + b"\n")
+
+    def send_error_event(self, code: int = 500, reason: str | None = None,
+                         message: str = "injected error", *, end: bool = True) -> None:
+        """An ERROR event carrying a Status; the real server ends the watch after one."""
+        ev = {"type": "ERROR",
+              "object": status_object(code, reason or _REASONS.get(code, "Unknown"), message)}
+        with self._lock:
+            for s in self._streams:
+                s.q.put(json.dumps(ev).encode() + b"\n")
+                if end:
+                    s.q.put(_END)
+
+    def send_bookmark(self) -> None:
+        with self._lock:
+            line = json.dumps(self._bookmark(self._rv)).encode() + b"\n"
+            for s in self._streams:
+                if s.bookmarks:
+                    s.q.put(line)
+
+    @staticmethod
+    def _bookmark(rv: int) -> dict[str, Any]:
+        return {"type": "BOOKMARK", "object": {
+            "kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1",
+            "metadata": {"resourceVersion": str(rv), "creationTimestamp": None}}}
+
+    def expire(self, *, notify_open: bool = True) -> None:
+        """Compact: every resourceVersion seen so far is too old to watch from.
+
+        Open watches get an ERROR event (Status code 410, reason Expired) and end, unless
+        ``notify_open`` is False, in which case they stay open and only new watches from
+        an old resourceVersion see the 410.
+        """
+        with self._lock:
+            self._rv += 1
+            self._min_rv = self._rv
+            self._history.clear()
+            if notify_open:
+                ev = {"type": "ERROR", "object": status_object(
+                    410, "Expired", f"too old resource version: {self._rv - 1} ({self._rv})")}
+                for s in self._streams:
+                    s.q.put(json.dumps(ev).encode() + b"\n")
+                    s.q.put(_END)
+
+    # --- test controls: failures and tokens ---
+
+    def fail(self, kind: str, status: int, count: int | None = 1) -> None:
+        """Answer the next ``count`` (None: every) list/watch/any call with ``status``."""
+        assert kind in ("list", "watch", "any")
+        with self._lock:
+            self._failures.append(_Failure(kind, status, count))
+
+    def clear_failures(self) -> None:
+        with self._lock:
+            self._failures.clear()
+
+    def set_tokens(self, *tokens: str) -> None:
+        with self._lock:
+            self.tokens = set(tokens)
+
+    # --- recorded requests ---
+
+    def slice_requests(self) -> list[RecordedRequest]:
+        with self._lock:
+            return [r for r in self.requests if r.is_slice_call]
+
+    def watch_requests(self) -> list[RecordedRequest]:
+        return [r for r in self.slice_requests() if r.is_watch]
+
+    def list_requests(self) -> list[RecordedRequest]:
+        return [r for r in self.slice_requests() if not r.is_watch]
+
+    # --- request handling (handler threads) ---
+
+    def _handle(self, h: _Handler) -> None:
+        parts = urlsplit(h.path)
+        query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+        auth = h.headers.get("Authorization", "")
+        scheme, _, token = auth.partition(" ")
+        with self._lock:
+            authorized = scheme.lower() == "bearer" and token.strip() in self.tokens
+            req = RecordedRequest(time.monotonic(), h.command, parts.path, query, authorized)
+            self.requests.append(req)
+        path = parts.path
+        if path in ("/readyz", "/livez", "/healthz"):
+            h.send_text(200, "ok")
+            return
+        if path == "/version":
+            h.send_json(200, {"major": "1", "minor": "31", "gitVersion": "v1.31.0-fake",
+                              "platform": "linux/amd64"})
+            return
+        if not authorized:
+            h.send_status(401, "Unauthorized")
+            return
+        if not req.is_slice_call:
+            h.send_status(404, f"the server could not find the requested resource {path}")
+            return
+        namespace = path[len(SLICES_PREFIX):].split("/")[0]
+        failure = self._take_failure("watch" if req.is_watch else "list")
+        if failure is not None:
+            h.send_status(failure, "injected failure")
+            return
+        selector = _parse_selector(query.get("labelSelector", ""))
+        if selector is None:
+            h.send_status(400, "unable to parse requirement")
+            return
+        if req.is_watch:
+            self._serve_watch(h, namespace, selector, query)
+        else:
+            with self._lock:
+                items = [copy.deepcopy(o) for (ns, _), o in sorted(self._slices.items())
+                         if ns == namespace and _matches(o, selector)]
+                rv = self._rv
+            h.send_json(200, {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+                              "metadata": {"resourceVersion": str(rv)}, "items": items})
+
+    def _take_failure(self, kind: str) -> int | None:
+        with self._lock:
+            for f in self._failures:
+                if f.kind in (kind, "any"):
+                    if f.remaining is not None:
+                        f.remaining -= 1
+                        if f.remaining <= 0:
+                            self._failures.remove(f)
+                    return f.status
+        return None
+
+    def _serve_watch(self, h: _Handler, namespace: str, selector: dict[str, str],
+                     query: dict[str, str]) -> None:
+        try:
+            timeout = float(query.get("timeoutSeconds", "1800"))
+        except ValueError:
+            h.send_status(400, "invalid timeoutSeconds")
+            return
+        rv_text = query.get("resourceVersion", "")
+        stream = _Stream(selector, query.get("allowWatchBookmarks") in ("true", "1"))
+        too_old = False
+        with self._lock:
+            if rv_text in ("", "0"):
+                for (ns, _), o in sorted(self._slices.items()):
+                    if ns == namespace and _matches(o, selector):
+                        stream.q.put(json.dumps({"type": "ADDED", "object": o}).encode() + b"\n")
+            else:
+                try:
+                    rv = int(rv_text)
+                except ValueError:
+                    rv = -1
+                if rv < self._min_rv:
+                    too_old = True
+                else:
+                    for ev_rv, kind, o in self._history:
+                        if ev_rv > rv and _matches(o, selector):
+                            stream.q.put(json.dumps({"type": kind, "object": o}).encode() + b"\n")
+            if not too_old:
+                self._streams.append(stream)
+            current = self._rv
+        if too_old and self.too_old == "http":
+            h.send_json(410, status_object(
+                410, "Expired", f"too old resource version: {rv_text} ({current})"))
+            return
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.send_header("Cache-Control", "no-cache, private")
+        h.end_headers()
+        h.wfile.flush()
+        if too_old:
+            ev = {"type": "ERROR", "object": status_object(
+                410, "Expired", f"too old resource version: {rv_text} ({current})")}
+            with contextlib.suppress(OSError):
+                h.write_chunk(json.dumps(ev).encode() + b"\n")
+                h.write_chunk(b"")
+            return
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    item = stream.q.get(timeout=max(remaining, 0)) if remaining > 0 else _END
+                except queue.Empty:
+                    item = _END
+                if item is _END:
+                    h.write_chunk(b"")  # terminating chunk: a clean end of the watch
+                    return
+                if item is _DROP:
+                    h.close_connection = True
+                    with contextlib.suppress(OSError):
+                        h.request.shutdown(socket.SHUT_RDWR)
+                    return
+                h.write_chunk(item)
+        except OSError:
+            h.close_connection = True
+        finally:
+            with self._lock:
+                if stream in self._streams:
+                    self._streams.remove(stream)

@@ -1,0 +1,512 @@
+"""The EndpointSlice watcher against the fake API server, through the real kubernetes client.
+
+Timing rules run with an injected clock and a recording sleep, so every wait the watcher
+decides on is checked exactly; one test checks the real 1 s first backoff and its jitter.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extractedprism.config import Config
+from extractedprism.endpoints import Endpoint
+from extractedprism.kube import ClientConfigError, proxy_url
+from extractedprism.metrics import Metrics
+from extractedprism.watch import KubernetesProvider
+from tests.fakes.fake_apiserver import FakeApiServer, make_slice
+from tests.util import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+ERRORS = "extractedprism_discovery_errors_total"
+J = 0.5  # FixedRandom value: every delay is base * 1.125
+
+
+class FixedRandom(random.Random):
+    def __init__(self, value: float) -> None:
+        super().__init__(0)
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+class Harness:
+    """A provider wired to a fake clock, a recording sleep and the fake API server."""
+
+    def __init__(self, api: FakeApiServer, sa_dir: Path, **config: Any) -> None:
+        self.api = api
+        self.clock = FakeClock()
+        self.stop = threading.Event()
+        self.metrics = Metrics()
+        self.updates: list[list[Endpoint]] = []
+        # (delay, slice requests seen so far) for every wait the watcher decided on
+        self.sleeps: list[tuple[float, int]] = []
+        self.gate = threading.Semaphore(1000)
+        cfg = Config(endpoints=(Endpoint("127.0.0.1", 1),), bind_address="127.0.0.1",
+                     bind_port=api.port).replace(**config)
+        self.provider = KubernetesProvider(
+            cfg, self.updates.append, self.metrics, self.stop, clock=self.clock,
+            rng=FixedRandom(J), sa_dir=str(sa_dir), sleep=self.sleep,
+            watch_timeout_seconds=300)
+
+    def sleep(self, delay: float) -> bool:
+        self.sleeps.append((delay, len(self.api.slice_requests())))
+        self.clock.advance(delay)
+        # Pace the loop a little so a persistently failing server is not hammered.
+        self.stop.wait(0.01)
+        return self.stop.is_set()
+
+    @property
+    def delays(self) -> list[float]:
+        return [round(d, 6) for d, _ in self.sleeps]
+
+    def errors(self) -> float:
+        return self.metrics.sample(ERRORS, {"provider": "kubernetes"}) or 0.0
+
+    def wait_watches(self, n: int, open_: bool = True) -> None:
+        wait_until(lambda: len(self.api.watch_requests()) >= n
+                   and (not open_ or self.api.open_streams() >= 1),
+                   10, message=f"{n} watch requests (open={open_})")
+
+    def wait_requests(self, n: int) -> None:
+        wait_until(lambda: len(self.api.slice_requests()) >= n, 10,
+                   message=f"{n} slice requests")
+
+    def kinds(self) -> list[str]:
+        """The slice calls so far: L (list) or W (watch)."""
+        return ["W" if r.is_watch else "L" for r in self.api.slice_requests()]
+
+    def last_endpoints(self) -> list[str]:
+        return [str(e) for e in self.updates[-1]] if self.updates else []
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    with FakeApiServer() as server:
+        server.set_slice(make_slice("kubernetes", ["10.0.0.1", "10.0.0.2"]))
+        yield server
+
+
+@pytest.fixture
+def sa_dir(api: FakeApiServer, tmp_path: Path) -> Path:
+    return api.write_service_account(tmp_path / "sa")
+
+
+@pytest.fixture
+def h(api: FakeApiServer, sa_dir: Path) -> Iterator[Harness]:
+    harness = Harness(api, sa_dir)
+    harness.provider.start()
+    yield harness
+    assert harness.provider.stop_and_join(5)
+
+
+# --- list, watch and the cache -------------------------------------------------------
+
+
+def test_lists_then_watches_from_the_list_resource_version(h: Harness) -> None:
+    h.wait_watches(1)
+    lst, watch = h.api.slice_requests()[:2]
+    assert not lst.is_watch and lst.authorized
+    assert lst.path == "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
+    assert lst.query["labelSelector"] == "kubernetes.io/service-name=kubernetes"
+    assert watch.query["watch"] == "true"
+    assert watch.query["allowWatchBookmarks"] == "true"
+    assert watch.query["timeoutSeconds"] == "300"
+    assert watch.query["resourceVersion"] == str(h.api.resource_version)
+    assert watch.authorized
+    assert h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.2:6443"]
+    assert h.sleeps == []
+    assert h.api.sni_names[-1] == "kubernetes.default.svc"
+
+
+def test_events_recompute_from_every_cached_slice(h: Harness) -> None:
+    h.wait_watches(1)
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.3"], port=443))
+    wait_until(lambda: h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.2:6443",
+                                              "10.0.0.3:443"])
+    # MODIFIED: ready=false is excluded, the other slice is kept
+    h.api.set_slice(make_slice("kubernetes", ["10.0.0.1", "10.0.0.2"], not_ready=["10.0.0.2"]))
+    wait_until(lambda: h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.3:443"])
+    # DELETED: recomputed from the remaining slice
+    h.api.delete_slice("kubernetes")
+    wait_until(lambda: h.last_endpoints() == ["10.0.0.3:443"])
+    h.api.delete_slice("kubernetes-2")
+    wait_until(lambda: h.last_endpoints() == [])
+    assert h.errors() == 0
+    assert len(h.api.watch_requests()) == 1
+
+
+def test_only_changes_are_sent(h: Harness) -> None:
+    h.wait_watches(1)
+    n = len(h.updates)
+    # same endpoints, different slice content: no update
+    h.api.set_slice(make_slice("kubernetes", ["10.0.0.2", "10.0.0.1"]))
+    h.api.set_slice(make_slice("other", ["10.0.0.9"], service="not-kubernetes"))
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.4"]))
+    wait_until(lambda: h.last_endpoints()[-1:] == ["10.0.0.4:6443"])
+    assert len(h.updates) == n + 1
+
+
+def test_garbage_in_the_stream_is_skipped(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    h.wait_watches(1)
+    for raw in (b"this is not json", b"[1,2,3]", b'{"no":"type"}', b'{"type":"ADDED"}',
+                b'{"type":"ADDED","object":{"metadata":{}}}',
+                b'{"type":"ADDED","object":"a string"}',
+                b'{"type":"WEIRD","object":{"metadata":{"name":"x"}}}',
+                b'{"type":"ADDED","object":{"metadata":{"name":"bad","resourceVersion":"1"},'
+                b'"addressType":"IPv4","endpoints":[{"addresses":["10.9.9.9"]}],'
+                b'"ports":[{"port":"https"}]}}',
+                b'\xff\xfe\x00garbage', b"{", b""):
+        h.api.inject_raw(raw)
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.7"]))
+    wait_until(lambda: "10.0.0.7:6443" in h.last_endpoints())
+    assert h.provider.running
+    assert h.errors() == 0
+    assert len(h.api.watch_requests()) == 1
+    assert "slice=bad" in caplog.text
+    assert "not JSON" in caplog.text
+
+
+def test_bookmark_advances_the_resource_version(h: Harness) -> None:
+    h.wait_watches(1)
+    h.api.set_slice(make_slice("unrelated", ["10.1.1.1"], service="other"))  # filtered out
+    h.api.send_bookmark()
+    rv = str(h.api.resource_version)
+    wait_until(lambda: h.provider._rv == rv, message="bookmark applied")
+    h.clock.advance(31)
+    h.api.close_streams()
+    h.wait_watches(2)
+    assert h.api.watch_requests()[1].query["resourceVersion"] == rv
+    assert h.kinds() == ["L", "W", "W"]
+    assert h.errors() == 0
+
+
+# --- reconnect timing rules ----------------------------------------------------------
+
+
+def test_short_clean_end_waits_for_the_backoff_without_relisting(h: Harness) -> None:
+    h.wait_watches(1)
+    h.api.close_streams()  # open for 0 s on the injected clock
+    h.wait_watches(2)
+    h.clock.advance(10)
+    h.api.close_streams()
+    h.wait_watches(3)
+    assert h.delays == [1.125, 2.25]
+    assert h.kinds() == ["L", "W", "W", "W"]
+    assert h.errors() == 0
+
+
+def test_long_clean_end_reopens_at_once(h: Harness) -> None:
+    h.wait_watches(1)
+    h.clock.advance(30)
+    h.api.close_streams()
+    h.wait_watches(2)
+    h.clock.advance(45)
+    h.api.drop_streams()  # a dropped connection is a stream end, not an error
+    h.wait_watches(3)
+    assert h.sleeps == []
+    assert h.kinds() == ["L", "W", "W", "W"]
+    assert h.errors() == 0
+
+
+def test_error_on_the_rewatch_after_a_long_watch_restarts_backoff(api: FakeApiServer,
+                                                                   sa_dir: Path) -> None:
+    api.fail("list", 500, count=3)
+    h = Harness(api, sa_dir)
+    h.provider.start()
+    try:
+        h.wait_watches(1)
+        assert h.delays == [1.125, 2.25, 4.5]
+        h.clock.advance(31)
+        api.fail("watch", 503, count=1)
+        api.close_streams()
+        h.wait_watches(3)
+        # backoff restarted from 1 s instead of continuing at 8 s
+        assert h.delays == [1.125, 2.25, 4.5, 1.125]
+        assert h.kinds() == ["L", "L", "L", "L", "W", "W", "W"]
+        assert h.errors() == 4
+    finally:
+        assert h.provider.stop_and_join(5)
+
+
+def test_error_event_ending_a_long_watch_restarts_backoff(api: FakeApiServer,
+                                                          sa_dir: Path) -> None:
+    api.fail("list", 500, count=2)
+    h = Harness(api, sa_dir)
+    h.provider.start()
+    try:
+        h.wait_watches(1)
+        h.clock.advance(30)
+        api.send_error_event(500, "InternalError")
+        h.wait_watches(2)
+        assert h.delays == [1.125, 2.25, 1.125]
+        assert h.errors() == 3
+    finally:
+        assert h.provider.stop_and_join(5)
+
+
+def test_errors_without_a_long_watch_keep_doubling(h: Harness) -> None:
+    h.wait_watches(1)
+    h.api.send_error_event(500)  # an ERROR event: counted
+    h.wait_watches(2)
+    h.api.fail("watch", 401, count=2)  # failed Watch calls: counted
+    h.api.close_streams()  # short clean end: not counted, still waits
+    h.wait_requests(5)
+    h.wait_watches(5)
+    h.clock.advance(29)
+    h.api.close_streams()
+    h.wait_watches(6)
+    assert h.delays == [1.125, 2.25, 4.5, 9.0, 18.0]
+    assert h.errors() == 3
+    assert h.kinds() == ["L"] + ["W"] * 6
+
+
+def test_drop_and_error_after_long_rewatch_counts(h: Harness) -> None:
+    h.wait_watches(1)
+    h.clock.advance(31)
+    h.api.close_streams()
+    h.wait_watches(2)
+    h.api.send_error_event(500)  # the re-watch right after a long watch hits an error
+    h.wait_watches(3)
+    assert h.delays == [1.125]
+    assert h.errors() == 1
+
+
+def test_410_event_on_a_short_watch_relists_then_waits(h: Harness) -> None:
+    h.wait_watches(1)
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.3"]))
+    wait_until(lambda: "10.0.0.3:6443" in h.last_endpoints())
+    h.api.expire()  # ERROR event, Status code 410 reason Expired
+    h.wait_watches(2)
+    assert h.kinds() == ["L", "W", "L", "W"]
+    # re-list right away (no wait before it), then the backoff before the watch
+    assert h.sleeps == [(1.125, 3)]
+    assert h.errors() == 0
+    assert h.api.watch_requests()[1].query["resourceVersion"] == str(h.api.resource_version)
+
+
+def test_410_ending_a_long_watch_rewatches_at_once(h: Harness) -> None:
+    h.wait_watches(1)
+    h.clock.advance(30)
+    h.api.expire()
+    h.wait_watches(2)
+    assert h.kinds() == ["L", "W", "L", "W"]
+    assert h.sleeps == []
+    assert h.errors() == 0
+
+
+def test_http_410_on_the_rewatch_after_a_long_watch_rewatches_at_once(h: Harness) -> None:
+    h.wait_watches(1)
+    h.api.expire(notify_open=False)  # the open watch stays; its resourceVersion is now too old
+    h.clock.advance(31)
+    h.api.close_streams()
+    h.wait_watches(3)
+    assert h.kinds() == ["L", "W", "W", "L", "W"]
+    assert h.sleeps == []
+    assert h.errors() == 0
+
+
+def test_http_410_after_a_short_watch_waits_for_backoff(h: Harness) -> None:
+    h.wait_watches(1)
+    h.api.expire(notify_open=False)
+    h.api.close_streams()  # short: wait 1.125, re-watch -> HTTP 410, re-list, wait 2.25
+    h.wait_watches(3)
+    assert h.kinds() == ["L", "W", "W", "L", "W"]
+    assert h.sleeps == [(1.125, 2), (2.25, 4)]
+    assert h.errors() == 0
+
+
+def test_410_event_on_a_new_watch_like_the_watch_cache(api: FakeApiServer,
+                                                        sa_dir: Path) -> None:
+    api.too_old = "event"
+    h = Harness(api, sa_dir)
+    h.provider.start()
+    try:
+        h.wait_watches(1)
+        api.expire(notify_open=False)
+        h.clock.advance(31)
+        api.close_streams()
+        h.wait_watches(3)
+        assert h.kinds() == ["L", "W", "W", "L", "W"]
+        assert h.sleeps == []
+        assert h.errors() == 0
+    finally:
+        assert h.provider.stop_and_join(5)
+
+
+def test_failed_relist_is_counted_and_retried(h: Harness) -> None:
+    h.wait_watches(1)
+    h.clock.advance(31)
+    h.api.fail("list", 500, count=2)
+    h.api.expire()
+    h.wait_watches(2)
+    assert h.kinds() == ["L", "W", "L", "L", "L", "W"]
+    # two failed re-lists wait for the backoff; the 410 ended a long watch, so the
+    # watch after the successful re-list starts at once
+    assert h.sleeps == [(1.125, 3), (2.25, 4)]
+    assert h.errors() == 2
+
+
+def test_dropped_short_stream_is_not_an_error(h: Harness) -> None:
+    h.wait_watches(1)
+    h.api.drop_streams()
+    h.wait_watches(2)
+    assert h.delays == [1.125]
+    assert h.errors() == 0
+
+
+def test_first_backoff_is_one_second_plus_at_most_25_percent_real_time(
+        api: FakeApiServer, sa_dir: Path) -> None:
+    api.fail("list", 500, count=1)
+    stop = threading.Event()
+    provider = KubernetesProvider(
+        Config(endpoints=(Endpoint("127.0.0.1", 1),), bind_port=api.port),
+        lambda eps: None, Metrics(), stop, sa_dir=str(sa_dir), watch_timeout_seconds=300)
+    provider.start()
+    try:
+        wait_until(lambda: len(api.list_requests()) >= 2, 10)
+        first, second = api.list_requests()[:2]
+        gap = second.time - first.time
+        assert 1.0 <= gap <= 1.25 + 0.25, gap
+    finally:
+        assert provider.stop_and_join(5)
+
+
+# --- client building, credentials, health, shutdown ----------------------------------
+
+
+def test_token_file_is_reread_as_it_rotates(h: Harness, sa_dir: Path) -> None:
+    h.wait_watches(1)
+    h.api.set_tokens("rotated-token")
+    (sa_dir / "token").write_text("rotated-token\n")
+    h.clock.advance(31)
+    h.api.close_streams()
+    h.wait_watches(2)
+    assert h.api.watch_requests()[1].authorized
+    assert h.errors() == 0
+
+
+def test_connects_to_its_own_listener_with_the_kubernetes_server_name(
+        tmp_path: Path) -> None:
+    # the certificate names only kubernetes.default.svc: 127.0.0.1 alone would not verify
+    with FakeApiServer(names=("kubernetes.default.svc",)) as api:
+        api.set_slice(make_slice("kubernetes", ["10.0.0.1"]))
+        h = Harness(api, api.write_service_account(tmp_path / "sa"), bind_address="0.0.0.0")
+        h.provider.start()
+        try:
+            h.wait_watches(1)
+            assert h.errors() == 0
+            assert set(api.sni_names) == {"kubernetes.default.svc"}
+        finally:
+            assert h.provider.stop_and_join(5)
+
+
+@pytest.mark.parametrize("bind,expected", [
+    ("127.0.0.1", "https://127.0.0.1:7445"), ("0.0.0.0", "https://127.0.0.1:7445"),
+    ("::", "https://127.0.0.1:7445"), ("::1", "https://[::1]:7445"),
+    ("10.1.2.3", "https://10.1.2.3:7445"), ("node.local", "https://node.local:7445")])
+def test_proxy_url(bind: str, expected: str) -> None:
+    assert proxy_url(bind, 7445) == expected
+
+
+def test_kubeconfig_is_used_as_given(api: FakeApiServer, tmp_path: Path) -> None:
+    kc = api.write_kubeconfig(tmp_path / "kubeconfig")
+    h = Harness(api, tmp_path / "no-sa", kubeconfig=str(kc), bind_port=1)
+    h.provider.start()
+    try:
+        h.wait_watches(1)
+        assert h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.2:6443"]
+    finally:
+        assert h.provider.stop_and_join(5)
+
+
+def test_broken_kubeconfig_raises_a_config_error(api: FakeApiServer, tmp_path: Path) -> None:
+    h = Harness(api, tmp_path / "no-sa", kubeconfig=str(tmp_path / "missing"))
+    with pytest.raises(ClientConfigError):
+        h.provider.start()
+    assert not h.provider.running
+
+
+def test_no_client_logs_one_warning_and_stays_healthy(
+        api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="extractedprism.watch")
+    h = Harness(api, tmp_path / "no-sa")
+    h.provider.start()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "static endpoints only" in warnings[0].getMessage()
+    assert not h.provider.running and h.provider.is_healthy()
+    assert h.provider.stop_and_join(1)
+    assert api.slice_requests() == []
+
+
+def test_discovery_disabled_starts_nothing(api: FakeApiServer, sa_dir: Path) -> None:
+    h = Harness(api, sa_dir, enable_discovery=False)
+    h.provider.start()
+    assert not h.provider.running and h.provider.is_healthy()
+    assert api.slice_requests() == []
+
+
+def test_stop_wakes_a_blocked_watch_promptly(api: FakeApiServer, sa_dir: Path) -> None:
+    stop = threading.Event()
+    provider = KubernetesProvider(
+        Config(endpoints=(Endpoint("127.0.0.1", 1),), bind_port=api.port),
+        lambda eps: None, Metrics(), stop, sa_dir=str(sa_dir))
+    provider.start()
+    wait_until(lambda: api.open_streams() == 1, 10)
+    t0 = time.monotonic()
+    assert provider.stop_and_join(5)
+    assert time.monotonic() - t0 < 2
+    assert provider.is_healthy()
+
+
+def test_stop_during_backoff_is_prompt(api: FakeApiServer, sa_dir: Path) -> None:
+    api.fail("list", 500, count=None)
+    stop = threading.Event()
+    provider = KubernetesProvider(
+        Config(endpoints=(Endpoint("127.0.0.1", 1),), bind_port=api.port),
+        lambda eps: None, Metrics(), stop, sa_dir=str(sa_dir))
+    provider.start()
+    wait_until(lambda: len(api.list_requests()) >= 1, 10)
+    t0 = time.monotonic()
+    assert provider.stop_and_join(5)
+    assert time.monotonic() - t0 < 1
+
+
+def test_unexpected_death_is_unhealthy_and_counted(h: Harness) -> None:
+    h.wait_watches(1)
+    h.provider.stop_and_join(5)
+    assert h.provider.is_healthy()  # stopped on purpose
+
+    def boom(client: object) -> None:
+        raise RuntimeError("bug")
+
+    h2 = Harness(h.api, Path(h.provider._sa_dir or ""))
+    h2.provider._watch_forever = boom  # type: ignore[method-assign]
+    h2.provider.start()
+    wait_until(lambda: not h2.provider.running)
+    assert not h2.provider.is_healthy()
+    assert h2.errors() == 1
+    h2.provider.stop_and_join(1)
