@@ -1,0 +1,272 @@
+"""End to end: a real App whose discovery reaches the fake API server through its own
+listener, and whose discovered endpoints become upstreams that receive connections."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from extractedprism.app import App
+from extractedprism.endpoints import Endpoint
+from tests.conftest import fast_config
+from tests.fakes.fake_apiserver import FakeApiServer, make_slice
+from tests.fakes.upstream import IdentityServer
+from tests.util import free_port, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+ERRORS = "extractedprism_discovery_errors_total"
+UPDATES = "extractedprism_discovery_updates_total"
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    with FakeApiServer() as server:
+        yield server
+
+
+@pytest.fixture
+def idents() -> Iterator[dict[str, IdentityServer]]:
+    """a, b, c on 127.0.0.2/.3/.4 sharing one port (as one EndpointSlice port needs)."""
+    port = free_port("127.0.0.2")
+    made = {name: IdentityServer(name=name, host=f"127.0.0.{i}", port=port).start()
+            for i, name in ((2, "a"), (3, "b"), (4, "c"))}
+    yield made
+    for s in made.values():
+        s.stop()
+
+
+def start_app(api: FakeApiServer, tmp_path: Path, static: list[Endpoint] | None = None,
+              **overrides: object) -> App:
+    sa = api.write_service_account(tmp_path / "sa")
+    cfg = fast_config(static or [Endpoint("127.0.0.1", api.port)], enable_discovery=True,
+                      **overrides)
+    app = App(cfg, sa_dir=str(sa))
+    app.start()
+    return app
+
+
+def upstreams(app: App) -> set[str]:
+    return {u.address for u in app.registry.snapshot().upstreams}
+
+
+def pickable(app: App) -> set[str]:
+    return {u.address for u in app.registry.snapshot().upstreams if u.pickable}
+
+
+def connect(app: App) -> tuple[socket.socket, str | None]:
+    """A client connection through the proxy and the identity of its upstream (None for the
+    fake API server, which says nothing first)."""
+    host, port = app.proxy_address
+    s = socket.create_connection((host, port), timeout=2)
+    s.settimeout(0.5)
+    try:
+        line = s.recv(64)
+    except TimeoutError:
+        return s, None
+    return s, line.decode().strip() or None
+
+
+def seen_names(app: App, want: set[str], attempts: int = 60) -> set[str]:
+    seen: set[str] = set()
+    for _ in range(attempts):
+        s, name = connect(app)
+        s.close()
+        if name:
+            seen.add(name)
+        if want <= seen:
+            break
+    return seen
+
+
+def hold(app: App, name: str, attempts: int = 60) -> socket.socket:
+    for _ in range(attempts):
+        s, got = connect(app)
+        if got == name:
+            return s
+        s.close()
+    raise AssertionError(f"no connection reached {name}")
+
+
+def echoes(s: socket.socket) -> bool:
+    try:
+        s.sendall(b"ping\n")
+        return s.recv(16) == b"ping\n"
+    except OSError:
+        return False
+
+
+def test_discovered_endpoints_become_upstreams_and_receive_connections(
+        api: FakeApiServer, idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    port = idents["a"].port
+    api.set_slice(make_slice("kubernetes", ["127.0.0.2", "127.0.0.3"], port=port))
+    app = start_app(api, tmp_path)
+    try:
+        static = f"127.0.0.1:{api.port}"
+        wait_until(lambda: upstreams(app) == {static, f"127.0.0.2:{port}", f"127.0.0.3:{port}"},
+                   10, message="discovered upstreams")
+        wait_until(lambda: len(pickable(app)) == 3, 10)
+        assert seen_names(app, {"a", "b"}) == {"a", "b"}
+        assert app.metrics.sample(ERRORS, {"provider": "kubernetes"}) in (None, 0.0)
+        assert app.metrics.sample(UPDATES, {"provider": "kubernetes"}) == 1
+        assert app.metrics.sample(UPDATES, {"provider": "static"}) == 1
+    finally:
+        assert app.stop()
+
+
+def test_discovery_goes_through_the_proxys_own_listener(
+        api: FakeApiServer, tmp_path: Path) -> None:
+    app = start_app(api, tmp_path)
+    try:
+        wait_until(lambda: api.open_streams() == 1, 10, message="watch open")
+        list_req, watch_req = api.slice_requests()[:2]
+        assert list_req.authorized and watch_req.authorized
+        # the client knows only the proxy's address, and the proxy carries the open watch
+        # (no test client is connected) to its only upstream, the API server
+        static = app.registry.snapshot().get(f"127.0.0.1:{api.port}")
+        assert static is not None and static.active_connections >= 1
+        assert app.discovery is not None and app.discovery._client is not None
+        assert app.discovery._client.host == f"https://127.0.0.1:{app.proxy_address[1]}"
+        assert "kubernetes.default.svc" in api.sni_names
+    finally:
+        assert app.stop()
+
+
+def test_ready_false_is_excluded_and_slice_deletion_recomputes(
+        api: FakeApiServer, idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    port = idents["a"].port
+    api.set_slice(make_slice("kubernetes", ["127.0.0.2", "127.0.0.3"], port=port,
+                             not_ready=["127.0.0.3"]))
+    api.set_slice(make_slice("kubernetes-extra", ["127.0.0.4"], port=port))
+    app = start_app(api, tmp_path, drain_timeout=0.0)
+    static = f"127.0.0.1:{api.port}"
+    try:
+        wait_until(lambda: upstreams(app) == {static, f"127.0.0.2:{port}",
+                                              f"127.0.0.4:{port}"}, 10)
+        api.delete_slice("kubernetes")
+        wait_until(lambda: upstreams(app) == {static, f"127.0.0.4:{port}"}, 10)
+        assert seen_names(app, {"c"}) == {"c"}
+    finally:
+        assert app.stop()
+
+
+def test_removed_endpoint_drains_then_closes(
+        api: FakeApiServer, idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    port = idents["a"].port
+    api.set_slice(make_slice("kubernetes", ["127.0.0.2", "127.0.0.3"], port=port))
+    app = start_app(api, tmp_path, drain_timeout=1.0)
+    addr = f"127.0.0.2:{port}"
+    try:
+        wait_until(lambda: addr in pickable(app), 10)
+        s = hold(app, "a")
+        with s:
+            api.set_slice(make_slice("kubernetes", ["127.0.0.3"], port=port))
+            wait_until(lambda: (u := app.registry.snapshot().get(addr)) is not None
+                       and u.draining, 5, message="draining")
+            assert echoes(s)  # existing connection keeps working while draining
+            assert addr not in pickable(app)
+            wait_until(lambda: addr not in upstreams(app), 5, message="drained and removed")
+            s.settimeout(2)
+            try:
+                closed = s.recv(16) == b""
+            except OSError:
+                closed = True
+            assert closed
+    finally:
+        assert app.stop()
+
+
+def test_readding_aborts_the_drain(
+        api: FakeApiServer, idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    port = idents["a"].port
+    api.set_slice(make_slice("kubernetes", ["127.0.0.2", "127.0.0.3"], port=port))
+    app = start_app(api, tmp_path, drain_timeout=1.5)
+    addr = f"127.0.0.2:{port}"
+    try:
+        wait_until(lambda: addr in pickable(app), 10)
+        s = hold(app, "a")
+        with s:
+            api.set_slice(make_slice("kubernetes", ["127.0.0.3"], port=port))
+            wait_until(lambda: (u := app.registry.snapshot().get(addr)) is not None
+                       and u.draining, 5, message="draining")
+            api.set_slice(make_slice("kubernetes", ["127.0.0.2", "127.0.0.3"], port=port))
+            wait_until(lambda: addr in pickable(app), 5, message="drain aborted")
+            # past the drain deadline the connection is still open and served
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                assert echoes(s)
+                time.sleep(0.2)
+    finally:
+        assert app.stop()
+
+
+def test_removing_every_slice_leaves_the_static_endpoints(
+        api: FakeApiServer, idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    port = idents["a"].port
+    api.set_slice(make_slice("kubernetes", ["127.0.0.2"], port=port))
+    api.set_slice(make_slice("kubernetes-2", ["127.0.0.3"], port=port))
+    app = start_app(api, tmp_path, drain_timeout=0.0)
+    static = f"127.0.0.1:{api.port}"
+    try:
+        wait_until(lambda: len(upstreams(app)) == 3, 10)
+        api.delete_slice("kubernetes")
+        api.delete_slice("kubernetes-2")
+        wait_until(lambda: upstreams(app) == {static}, 10, message="static only")
+        assert pickable(app) == {static}
+    finally:
+        assert app.stop()
+
+
+def test_malformed_slice_is_skipped_and_discovery_goes_on(
+        api: FakeApiServer, idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    port = idents["a"].port
+    bad = make_slice("kubernetes-bad", ["127.0.0.9"], port=port)
+    bad["ports"] = [{"name": "https", "port": "not-a-number"}]
+    api.set_slice(bad)
+    app = start_app(api, tmp_path)
+    static = f"127.0.0.1:{api.port}"
+    try:
+        wait_until(lambda: api.open_streams() == 1, 10)
+        assert upstreams(app) == {static}
+        api.inject_raw(b"garbage that is not json")
+        api.set_slice(make_slice("kubernetes", ["127.0.0.2"], port=port))
+        wait_until(lambda: upstreams(app) == {static, f"127.0.0.2:{port}"}, 10)
+        assert app.metrics.sample(ERRORS, {"provider": "kubernetes"}) in (None, 0.0)
+    finally:
+        assert app.stop()
+
+
+def test_failing_kubernetes_provider_leaves_static_serving(
+        idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    # the API answers every call with 500: discovery fails entirely, static keeps serving
+    with FakeApiServer() as api:
+        api.fail("any", 500, count=None)
+        a = idents["a"]
+        app = start_app(api, tmp_path, static=[Endpoint("127.0.0.1", api.port),
+                                               Endpoint(a.host, a.port)])
+        try:
+            wait_until(lambda: (app.metrics.sample(ERRORS, {"provider": "kubernetes"}) or 0)
+                       >= 1, 10, message="discovery error counted")
+            assert upstreams(app) == {f"127.0.0.1:{api.port}", f"127.0.0.2:{a.port}"}
+            assert seen_names(app, {"a"}) == {"a"}
+            assert app.discovery is not None and app.discovery.is_healthy()
+        finally:
+            assert app.stop()
+
+
+def test_no_service_account_runs_static_only(
+        idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    a = idents["a"]
+    cfg = fast_config([Endpoint(a.host, a.port)], enable_discovery=True)
+    app = App(cfg, sa_dir=str(tmp_path / "nothing-here"))
+    app.start()
+    try:
+        assert seen_names(app, {"a"}) == {"a"}
+        assert app.discovery is not None and app.discovery.is_healthy()
+        assert not app.discovery.running
+    finally:
+        assert app.stop()
