@@ -425,3 +425,9 @@ def test_notes_say_how_to_check_pods_and_reach_upstreams() -> None:
     assert "WARNING" not in notes
     _, notes = render({"endpoints": ENDPOINTS}, namespace="infra")
     assert "WARNING" in notes and "kube-system" in notes
+
+
+def test_helm_lint_is_not_vacuous() -> None:
+    # Helm lint only logs `fail` (lint mode), but schema and template errors are reported.
+    report = h.lint(CHART_DIR, {"endpoints": ENDPOINTS, "bindPort": 0}, strict=True)
+    assert any("/bindPort" in e for e in report["errors"])
