@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import socket
 import ssl
 import time
@@ -35,6 +36,7 @@ from extractedprism.endpoints import Endpoint, is_ip
 log = logging.getLogger(__name__)
 
 _MAX_STATUS_LINE = 8192
+_SSL_SOURCE = re.compile(r"\s*\(_ssl\.c:\d+\)")
 
 
 @dataclass(frozen=True)
@@ -206,8 +208,14 @@ def _read_token(path: str) -> str:
 
 
 def _short(exc: BaseException) -> str:
-    if isinstance(exc, ssl.SSLError) and exc.reason:
-        return str(exc.reason).lower().replace("_", " ")
+    if isinstance(exc, ssl.SSLEOFError):
+        return "connection closed by peer"  # e.g. the server wanted a client certificate
+    if isinstance(exc, ssl.SSLError):
+        reason = getattr(exc, "reason", None)
+        if reason:
+            return str(reason).lower().replace("_", " ")
+        text = str(exc.args[1] if len(exc.args) > 1 else exc)
+        return _SSL_SOURCE.sub("", text).strip() or type(exc).__name__
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return str(exc) or type(exc).__name__

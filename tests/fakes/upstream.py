@@ -266,7 +266,7 @@ class EchoServer(_Server):
         _echo(conn)
 
 
-class IdentityServer(_Server):
+class IdentityServer(EchoServer):
     """Plain TCP: writes ``<name>\\n`` on accept, then echoes."""
 
     def __init__(self, name: str = "ident", host: str = "127.0.0.1", port: int = 0,
@@ -341,15 +341,12 @@ class FakeUpstream(_Server):
         self.ready_status = status
 
     def set_ready_hang(self, hang: bool) -> None:
-        """While True, ``/readyz`` reads the request and never answers (until stop())."""
+        """While True, ``/readyz`` reads the request and never answers; stop() ends such
+        a request by closing its connection, without answering it."""
         if hang:
             self._ready_gate.clear()
         else:
             self._ready_gate.set()
-
-    def stop(self) -> None:
-        self._ready_gate.set()  # release hung /readyz handlers; closing wakes them
-        super().stop()
 
     # --- records ------------------------------------------------------------
 
@@ -402,6 +399,13 @@ class FakeUpstream(_Server):
     def _serve_http(self, conn: socket.socket, peer: Any, cert: dict[str, Any] | None,
                     der: bytes | None) -> None:
         cn = _common_name(cert)
+        if not isinstance(conn, ssl.SSLSocket):
+            conn.settimeout(self.request_timeout)
+            first = conn.recv(1, socket.MSG_PEEK)
+            if first == b"\x16":  # a TLS ClientHello: it may hold no newline, answer now
+                self._respond(conn, 400, b"TLS handshake to a plain HTTP server\n",
+                              keep_alive=False)
+                return
         rfile = conn.makefile("rb")
         try:
             while not self.closing.is_set():
