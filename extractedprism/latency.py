@@ -52,8 +52,10 @@ rebuilds them after every sample and every removal:
 
 Consequences, each covered by a unit test: a new upstream much faster than everyone
 forms tier 0 and the old tier 0 becomes tier 1 intact; a member whose average falls
-inside a better tier's limit moves up once its own group's limit releases the others or
-it is alone; removing the only tier-0 upstream turns tier 1 into tier 0 with the same
+inside a better tier's limit becomes its group's base, which tightens its group's limit
+and releases far-away members, and the group then moves up whole if all that remain fit
+the better tier's band (otherwise it stays one tier below, together); removing the only
+tier-0 upstream turns tier 1 into tier 0 with the same
 members (then re-checked against their own base as in rule 2); upstreams within 2 ms of
 the best are all tier 0. Removed upstreams are forgotten and the tiers are rebuilt
 without them; the registry calls :meth:`LatencyTiers.remove` once their drain completes,

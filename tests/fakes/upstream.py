@@ -74,6 +74,7 @@ class _Server:
         self._paused = False
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._conn_seq = 0
+        self._fillers: list[socket.socket] = []
         self.accepted = 0
         self.closing = threading.Event()  # set by stop(): long-lived handlers end
 
@@ -122,6 +123,9 @@ class _Server:
 
     def stop(self) -> None:
         """Close the listener and every live connection; join all threads."""
+        for s in self._fillers:
+            s.close()
+        self._fillers = []
         self.close_listener()
         self.closing.set()
         self.close_connections()
@@ -151,6 +155,30 @@ class _Server:
         if self._wake_w is not None:
             with contextlib.suppress(OSError):
                 self._wake_w.send(b"x")
+
+    def fill_backlog(self, attempt_timeout: float = 0.2) -> int:
+        """Pause accepting and queue filler connections until the accept queue is full,
+        so the kernel drops further SYNs on this port: a connect then takes a SYN
+        retransmission (about 1 s) or times out. Use a small ``backlog`` (0 queues one
+        connection on Linux). Returns the number of fillers; undo with release_backlog()."""
+        self.pause_accept()
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        for _ in range(self.backlog + 16):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            self._fillers.append(s)
+            s.settimeout(attempt_timeout)
+            try:
+                s.connect((self.host, self.port))
+            except TimeoutError:
+                return len(self._fillers) - 1
+        raise RuntimeError(f"{self.name}: accept queue never filled (backlog={self.backlog})")
+
+    def release_backlog(self) -> None:
+        """Close the fillers and accept again."""
+        fillers, self._fillers = self._fillers, []
+        for s in fillers:
+            s.close()
+        self.resume_accept()
 
     def __enter__(self) -> Any:
         if self._listener is None:

@@ -234,3 +234,16 @@ def test_pause_accept_leaves_connects_in_backlog() -> None:
             assert recv_exact(s, 2) == b"p\n"
         finally:
             s.close()
+
+
+def test_fill_backlog_makes_connects_time_out() -> None:
+    from extractedprism.endpoints import Endpoint
+    from extractedprism.probes import probe
+
+    with IdentityServer(name="slow", backlog=0) as ident:
+        assert ident.fill_backlog() >= 1
+        assert probe(Endpoint("127.0.0.1", ident.port), 0.3).reason == "timeout"
+        ident.release_backlog()
+        # the SYNs of the filler-era connect are gone; a fresh one gets through
+        r = probe(Endpoint("127.0.0.1", ident.port), 3.0)
+        assert r.ok, r
