@@ -510,3 +510,21 @@ def test_unexpected_death_is_unhealthy_and_counted(h: Harness) -> None:
     assert not h2.provider.is_healthy()
     assert h2.errors() == 1
     h2.provider.stop_and_join(1)
+
+
+def test_ipv6_listener_is_bracketed(tmp_path: Path) -> None:
+    try:
+        api = FakeApiServer(host="::1").start()
+    except OSError as exc:  # pragma: no cover - no IPv6 loopback here
+        pytest.skip(f"no ::1: {exc}")
+    try:
+        api.set_slice(make_slice("kubernetes", ["fd00::1"], address_type="IPv6"))
+        h = Harness(api, api.write_service_account(tmp_path / "sa"), bind_address="::1")
+        h.provider.start()
+        try:
+            h.wait_watches(1)
+            assert h.last_endpoints() == ["[fd00::1]:6443"]
+        finally:
+            assert h.provider.stop_and_join(5)
+    finally:
+        api.stop()
