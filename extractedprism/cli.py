@@ -14,6 +14,7 @@ import resource
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Sequence
 
 import configargparse
@@ -67,6 +68,19 @@ def _raise_fd_limit() -> None:
             pass
 
 
+def dump_threads(_signum: int = 0, _frame: object = None, file: object = None) -> None:
+    """Write every thread's name and stack to stderr (SIGUSR1), like a goroutine dump."""
+    out = file or sys.stderr
+    frames = sys._current_frames()
+    lines = [f"=== extractedprism thread dump: {threading.active_count()} threads"]
+    for t in threading.enumerate():
+        frame = frames.get(t.ident or -1)
+        lines.append(f"--- thread {t.name!r} ident={t.ident} daemon={t.daemon}")
+        if frame is not None:
+            lines.extend(line.rstrip() for line in traceback.format_stack(frame))
+    print("\n".join(lines), file=out, flush=True)  # type: ignore[call-overload]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config(argv)
@@ -77,7 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     setup_logging(config.log_level)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # SIGUSR1: named stacks from the main thread. SIGUSR2: faulthandler's dump, which
+    # works even when a thread holds the GIL and the main thread cannot run.
+    signal.signal(signal.SIGUSR1, dump_threads)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     _raise_fd_limit()
     # Shorter GIL slices cut the wait of a woken pipe thread under many connections.
     sys.setswitchinterval(0.001)

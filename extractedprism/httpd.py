@@ -64,6 +64,10 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "extractedprism"
     sys_version = ""
     protocol_version = "HTTP/1.1"
+    # Errors for malformed request lines get a real status line, not an HTTP/0.9 body.
+    default_request_version = "HTTP/1.1"
+    error_content_type = "text/plain; charset=utf-8"
+    error_message_format = "%(code)d %(message)s: %(explain)s\n"
 
     def handle_one_request(self) -> None:
         # The stdlib's version answers unknown methods with 501; the contract says 405.

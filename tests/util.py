@@ -56,3 +56,18 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 20.0
     full_env.update(env or {})
     return subprocess.run([PYTHON, "-m", "extractedprism", *args], capture_output=True,
                           text=True, env=full_env, timeout=timeout, cwd=ROOT)
+
+
+def http(address: tuple[str, int], path: str, method: str = "GET",
+         timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+    """One plain HTTP request to the health server: (status, headers, body)."""
+    import http.client
+
+    conn = http.client.HTTPConnection(address[0], address[1], timeout=timeout)
+    try:
+        conn.request(method, path)
+        resp = conn.getresponse()
+        body = resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
+    finally:
+        conn.close()

@@ -1,0 +1,80 @@
+"""Shared fixtures: in-process App factory, upstream servers, and a thread-leak guard."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from extractedprism.app import App
+from extractedprism.config import Config
+from extractedprism.endpoints import Endpoint
+from tests.fakes.upstream import EchoServer, IdentityServer
+
+PRODUCT_THREAD_PREFIXES = ("acceptor", "ticker", "pipe-", "probe-", "watcher", "heartbeat",
+                           "health-http")
+
+
+def _product_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith(PRODUCT_THREAD_PREFIXES)}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_product_threads() -> Iterator[None]:
+    """Fail a test whose product threads (acceptor, pipes, probes, ...) outlive it."""
+    before = _product_threads()
+    yield
+    deadline = time.monotonic() + 5.0
+    leaked = _product_threads() - before
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leaked = {t for t in leaked if t.is_alive()}
+    assert not leaked, f"threads outlived the test: {sorted(t.name for t in leaked)}"
+
+
+def fast_config(endpoints: list[Endpoint] | tuple[Endpoint, ...], **overrides: object) -> Config:
+    """A Config on ephemeral ports with short timings, for in-process tests."""
+    base: dict[str, object] = dict(
+        endpoints=tuple(endpoints),
+        bind_port=0,
+        health_port=0,
+        enable_discovery=False,
+        health_interval=0.3,
+        health_timeout=0.2,
+        liveness_interval=0.2,
+        liveness_threshold=1.0,
+        drain_timeout=1.0,
+    )
+    base.update(overrides)
+    return Config(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def make_app() -> Iterator[Callable[..., App]]:
+    apps: list[App] = []
+
+    def factory(endpoints: list[Endpoint], **overrides: object) -> App:
+        app = App(fast_config(endpoints, **overrides))
+        app.start()
+        apps.append(app)
+        return app
+
+    yield factory
+    for app in apps:
+        app.stop()
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[..., list[IdentityServer]]]:
+    made: list[EchoServer] = []
+
+    def factory(n: int = 3, kind: type[EchoServer] = IdentityServer) -> list[IdentityServer]:
+        out = [kind(name=f"up{i}").start() for i in range(n)]
+        made.extend(out)
+        return out  # type: ignore[return-value]
+
+    yield factory
+    for s in made:
+        s.stop()

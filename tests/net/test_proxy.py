@@ -1,0 +1,276 @@
+"""The data path end to end on loopback: bytes, half-close, selection, health, draining."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from extractedprism import pipe as pipe_mod
+from extractedprism.sockopts import USER_TIMEOUT_MS
+from tests.fakes.upstream import EchoServer
+from tests.util import http, wait_until
+
+
+def connect(app, timeout: float = 5.0) -> socket.socket:  # type: ignore[no-untyped-def]
+    return socket.create_connection(app.proxy_address, timeout=timeout)
+
+
+def read_line(sock: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(1)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode().strip()
+
+
+def whoami(app) -> str:  # type: ignore[no-untyped-def]
+    with connect(app) as s:
+        return read_line(s)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(1 << 20, n - len(buf)))
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
+
+
+@pytest.mark.parametrize("mode", ["splice", "buffer"])
+def test_large_payload_both_ways_intact(make_app, servers, monkeypatch, mode):
+    monkeypatch.setattr(pipe_mod, "MODE", mode)
+    (echo,) = servers(1, EchoServer)
+    app = make_app([echo.endpoint])
+    payload = os.urandom(10 * 1024 * 1024)
+    got = bytearray()
+    with connect(app, timeout=30) as s:
+        def reader() -> None:
+            while len(got) < len(payload):
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    return
+                got.extend(chunk)
+
+        t = threading.Thread(target=reader, name="test-reader")
+        t.start()
+        s.sendall(payload)
+        t.join(30)
+    assert hashlib.sha256(got).digest() == hashlib.sha256(payload).digest()
+
+
+@pytest.mark.parametrize("mode", ["splice", "buffer"])
+def test_half_close_propagates_and_rest_of_response_arrives(make_app, servers, monkeypatch,
+                                                             mode):
+    monkeypatch.setattr(pipe_mod, "MODE", mode)
+    (echo,) = servers(1, EchoServer)
+    app = make_app([echo.endpoint])
+    payload = os.urandom(300_000)
+    with connect(app, timeout=10) as s:
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)  # the echo server sees EOF only through the proxy
+        got = recv_exact(s, len(payload) + 1)
+    assert got == payload  # everything, then EOF passed back
+
+
+def test_upstream_half_close_reaches_client(make_app):
+    # Upstream writes a greeting, closes its write side, and keeps reading.
+    lst = socket.create_server(("127.0.0.1", 0))
+    received = bytearray()
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.sendall(b"bye")
+                conn.shutdown(socket.SHUT_WR)
+                while chunk := conn.recv(65536):
+                    received.extend(chunk)
+            except OSError:
+                pass  # the health probe hangs up at once
+
+    def serve() -> None:
+        # Health probes connect too, so serve every connection.
+        while True:
+            try:
+                conn, _ = lst.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), name="test-upstream-conn").start()
+
+    t = threading.Thread(target=serve, name="test-upstream")
+    t.start()
+    from extractedprism.endpoints import Endpoint
+
+    app = make_app([Endpoint("127.0.0.1", lst.getsockname()[1])])
+    with connect(app) as s:
+        assert recv_exact(s, 4) == b"bye"  # then EOF
+        s.sendall(b"still talking")
+        s.shutdown(socket.SHUT_WR)
+        wait_until(lambda: bytes(received) == b"still talking", 5)
+    lst.shutdown(socket.SHUT_RDWR)
+    lst.close()
+    t.join(5)
+
+
+def test_reset_from_upstream_closes_client(make_app):
+    lst = socket.create_server(("127.0.0.1", 0))
+    resets = []
+
+    def handle(conn: socket.socket) -> None:
+        if conn.recv(10):
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            resets.append(1)
+        conn.close()  # RST when data was received (linger 0), else a plain close (probe)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = lst.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), name="test-upstream-conn").start()
+
+    t = threading.Thread(target=serve, name="test-upstream")
+    t.start()
+    from extractedprism.endpoints import Endpoint
+
+    app = make_app([Endpoint("127.0.0.1", lst.getsockname()[1])])
+    with connect(app) as s:
+        s.sendall(b"hello")
+        s.settimeout(5)
+        with pytest.raises(ConnectionResetError):
+            s.recv(10)  # the upstream's reset is passed on to the client
+    assert resets
+    lst.shutdown(socket.SHUT_RDWR)
+    lst.close()
+    t.join(5)
+    wait_until(lambda: app.registry.connection_count() == 0, 5)
+
+
+def test_200_concurrent_connections_intact(make_app, servers):
+    echos = servers(3, EchoServer)
+    app = make_app([e.endpoint for e in echos])
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        try:
+            data = os.urandom(20_000) + str(i).encode()
+            with connect(app, timeout=20) as s:
+                s.sendall(data)
+                s.shutdown(socket.SHUT_WR)
+                got = recv_exact(s, len(data) + 1)
+            if got != data:
+                errors.append(f"conn {i}: {len(got)} bytes back")
+        except OSError as exc:
+            errors.append(f"conn {i}: {exc}")
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"test-client-{i}")
+               for i in range(200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+
+
+def test_selection_spreads_over_three_upstreams(make_app, servers):
+    ups = servers(3)
+    app = make_app([u.endpoint for u in ups])
+    counts = collections.Counter(whoami(app) for _ in range(300))
+    assert set(counts) == {"up0", "up1", "up2"}
+    assert all(60 <= c <= 140 for c in counts.values()), counts
+
+
+def test_socket_options_on_both_sides(make_app, servers):
+    (up,) = servers(1)
+    app = make_app([up.endpoint])
+    with connect(app) as s:
+        read_line(s)
+        snap = wait_until(lambda: app.registry.connections(), 5)
+        assert snap
+        # Read back the options the pipe thread applied to the proxy's sockets.
+        pipes = [c for u in app.registry._ups.values() for c in u.conns.values()]
+        for sock in (pipes[0].client_sock, pipes[0].upstream_sock):
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == USER_TIMEOUT_MS
+
+
+def test_stopped_upstream_leaves_within_two_intervals_and_returns_after_one_success(
+        make_app, servers):
+    ups = servers(2)
+    interval = 0.3
+    app = make_app([u.endpoint for u in ups], health_interval=interval)
+    addr = ups[0].address
+    wait_until(lambda: app.registry.snapshot().get(addr).healthy, 5)
+    ups[0].close_listener()
+    t0 = time.monotonic()
+    wait_until(lambda: not app.registry.snapshot().get(addr).healthy, 5)
+    assert time.monotonic() - t0 <= 2 * interval + 0.2 + 0.5  # two checks (+ timeout, slack)
+    # While excluded, every connection goes to the other upstream.
+    assert {whoami(app) for _ in range(30)} == {"up1"}
+    ups[0].start()
+    t1 = time.monotonic()
+    wait_until(lambda: app.registry.snapshot().get(addr).healthy, 5)
+    assert time.monotonic() - t1 <= interval + 0.5  # one success re-includes it
+
+
+def test_dial_failures_count_toward_the_streak_and_retry_elsewhere(make_app, servers):
+    ups = servers(3)
+    # Long interval: only client dials can notice the dead upstream.
+    app = make_app([u.endpoint for u in ups], health_interval=30, health_timeout=1)
+    dead = ups[0].address
+    wait_until(lambda: app.registry.snapshot().get(dead).total_connections >= 0, 1)
+    ups[0].close_listener()
+    answers = [whoami(app) for _ in range(100)]
+    assert all(a in ("up1", "up2") for a in answers), collections.Counter(answers)
+    assert not app.registry.snapshot().get(dead).healthy  # two failed dials excluded it
+    errors = app.metrics.sample("extractedprism_connection_errors_total", {"upstream": dead})
+    assert errors == 2
+
+
+def test_readyz_503_when_all_upstreams_down_and_panic_mode(make_app, servers):
+    ups = servers(2)
+    app = make_app([u.endpoint for u in ups])
+    assert http(app.health_address, "/readyz")[0] == 200
+    for u in ups:
+        u.close_listener()
+    wait_until(lambda: app.metrics.sample("extractedprism_panic") == 1, 5)
+    assert http(app.health_address, "/readyz")[0] == 503
+    # Panic mode: all down -> client closed.
+    with connect(app) as s:
+        assert s.recv(10) == b""
+    # One comes back but is still marked unhealthy: panic mode still reaches it.
+    ups[1].start()
+    with connect(app) as s:
+        assert read_line(s) == "up1"
+    wait_until(lambda: app.metrics.sample("extractedprism_panic") == 0, 5)
+
+
+def test_no_thread_or_fd_growth_after_1000_short_connections(make_app, servers):
+    ups = servers(2)
+    app = make_app([u.endpoint for u in ups])
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    for _ in range(50):  # warm the pool
+        whoami(app)
+    wait_until(lambda: app.registry.connection_count() == 0, 5)
+    threads0, fds0 = threading.active_count(), fds()
+    for _ in range(1000):
+        whoami(app)
+    wait_until(lambda: app.registry.connection_count() == 0, 5)
+    wait_until(lambda: threading.active_count() <= threads0 + 2, 5)
+    wait_until(lambda: fds() <= fds0 + 4, 5, message=f"fds back to {fds0}")

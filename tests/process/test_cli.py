@@ -1,0 +1,133 @@
+"""The command line as an operator runs it: real subprocesses, env vars, signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from tests.fakes.upstream import IdentityServer
+from tests.util import PYTHON, ROOT, free_ports, http, run_cli, wait_until
+
+
+def test_invalid_config_exits_2_before_opening_ports():
+    bind, health = free_ports(2)
+    res = run_cli("--endpoints", "10.0.0.1:99999", "--bind-port", str(bind),
+                  "--health-port", str(health), "--health-timeout", "20s",
+                  "--log-level", "loud")
+    assert res.returncode == 2
+    assert "--endpoints (10.0.0.1:99999)" in res.stderr
+    assert "--health-timeout (20s) must be less than --health-interval (20s)" in res.stderr
+    assert "--log-level (loud)" in res.stderr
+
+
+def test_env_vars_are_read_and_validated():
+    res = run_cli(env={"EP_ENDPOINTS": "10.0.0.1:6443", "EP_DRAIN_TIMEOUT": "-3s",
+                       "EP_ENABLE_DISCOVERY": "false", "EP_HEALTH_CHECK": "readyz"})
+    assert res.returncode == 2
+    assert "--drain-timeout (-3s) must not be negative" in res.stderr
+    assert "--health-check=readyz requires --health-check-ca-file" in res.stderr
+
+
+def test_missing_endpoints_is_an_error():
+    res = run_cli()
+    assert res.returncode == 2
+    assert "--endpoints is required" in res.stderr
+
+
+def test_version_and_help():
+    res = run_cli("--version")
+    assert res.returncode == 0 and "extractedprism" in res.stdout
+    res = run_cli("--help")
+    assert res.returncode == 0
+    for opt in ("--bind-address", "--drain-timeout", "--health-check-token-file",
+                "--max-connections", "--kubeconfig"):
+        assert opt in res.stdout
+
+
+def start_proxy(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str],
+                                                                           int, int]:
+    bind, health = free_ports(2)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
+    full_env.update(env or {})
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "extractedprism", "--bind-port", str(bind), "--health-port", str(health),
+         "--enable-discovery=false", "--health-interval", "2s", "--health-timeout", "1s",
+         *args], env=full_env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: _health_ok(health) or proc.poll() is not None, 15)
+    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+    return proc, bind, health
+
+
+def _health_ok(port: int) -> bool:
+    try:
+        return http(("127.0.0.1", port), "/healthz", timeout=1)[0] == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def upstream():
+    up = IdentityServer(name="up").start()
+    yield up
+    up.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_with_open_connections_exits_0_within_6s(upstream, sig):
+    proc, bind, _ = start_proxy("--endpoints", upstream.address)
+    try:
+        conns = [socket.create_connection(("127.0.0.1", bind), timeout=5) for _ in range(20)]
+        for c in conns:
+            assert c.recv(3) == b"up\n"
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=10)
+        assert rc == 0
+        assert time.monotonic() - t0 < 6
+        for c in conns:  # force-closed by the shutdown
+            c.settimeout(5)
+            try:
+                assert c.recv(10) == b""
+            except ConnectionResetError:
+                pass
+            c.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+
+
+def test_env_configuration_runs_and_sigusr1_dumps_threads(upstream):
+    proc, bind, _ = start_proxy(env={"EP_ENDPOINTS": upstream.address,
+                                          "EP_LOG_LEVEL": "debug"})
+    try:
+        with socket.create_connection(("127.0.0.1", bind), timeout=5) as c:
+            assert c.recv(3) == b"up\n"
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)  # let faulthandler write before asking the process to stop
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0
+        assert "thread dump" in err
+        for name in ("acceptor", "ticker", "heartbeat", "health-http", "pipe-idle-"):
+            assert f"--- thread '{name}" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_port_in_use_fails_clearly(upstream):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        res = run_cli("--endpoints", upstream.address, "--bind-port", str(port),
+                      "--enable-discovery=false")
+    assert res.returncode == 1
+    assert "cannot start" in res.stderr and "in use" in res.stderr

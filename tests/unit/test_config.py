@@ -1,0 +1,140 @@
+"""Every flag, default, env var and validation rule of the spec's configuration table."""
+
+from __future__ import annotations
+
+import pytest
+
+from extractedprism.config import (
+    FLAGS,
+    ConfigError,
+    format_duration,
+    parse_bool,
+    parse_duration,
+    validate,
+)
+from extractedprism.endpoints import Endpoint, parse_endpoint
+
+OK = {"endpoints": "10.0.0.1:6443"}
+
+
+def problems(**values: str) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        validate({**OK, **values})
+    return err.value.problems
+
+
+def test_defaults_match_the_spec():
+    c = validate(dict(OK))
+    assert (c.bind_address, c.bind_port, c.health_port) == ("127.0.0.1", 7445, 7446)
+    assert c.health_bind_address == "127.0.0.1"
+    assert (c.health_interval, c.health_timeout) == (20, 15)
+    assert c.enable_discovery is True
+    assert c.log_level == "info"
+    assert (c.liveness_interval, c.liveness_threshold, c.drain_timeout) == (5, 15, 30)
+    assert (c.upstream_selection, c.health_check) == ("random", "tcp")
+    assert c.health_check_server_name == "kubernetes.default.svc"
+    assert c.max_connections == 4096
+    assert c.endpoints == (Endpoint("10.0.0.1", 6443),)
+
+
+def test_every_flag_has_its_ep_env_var():
+    assert {f.env for f in FLAGS} >= {
+        "EP_BIND_ADDRESS", "EP_BIND_PORT", "EP_HEALTH_PORT", "EP_HEALTH_BIND_ADDRESS",
+        "EP_ENDPOINTS", "EP_HEALTH_INTERVAL", "EP_HEALTH_TIMEOUT", "EP_ENABLE_DISCOVERY",
+        "EP_LOG_LEVEL", "EP_LIVENESS_INTERVAL", "EP_LIVENESS_THRESHOLD", "EP_DRAIN_TIMEOUT",
+        "EP_UPSTREAM_SELECTION", "EP_HEALTH_CHECK", "EP_HEALTH_CHECK_CA_FILE",
+        "EP_HEALTH_CHECK_CERT_FILE", "EP_HEALTH_CHECK_KEY_FILE", "EP_HEALTH_CHECK_TOKEN_FILE",
+        "EP_HEALTH_CHECK_SERVER_NAME", "EP_KUBECONFIG", "EP_MAX_CONNECTIONS"}
+
+
+def test_health_bind_address_follows_bind_address():
+    assert validate({**OK, "bind_address": "::1"}).health_bind_address == "::1"
+    c = validate({**OK, "bind_address": "::1", "health_bind_address": "0.0.0.0"})
+    assert c.health_bind_address == "0.0.0.0"
+
+
+@pytest.mark.parametrize("text,seconds", [
+    ("20s", 20), ("500ms", 0.5), ("1m30s", 90), ("1h", 3600), ("1.5s", 1.5), ("7", 7),
+    ("0", 0), ("2.5", 2.5), ("-1s", -1), ("100us", 1e-4),
+])
+def test_durations(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "10x", "s", "1s2", "--1s"])
+def test_bad_durations(text):
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_format_duration_round_trips():
+    for s in (20, 0.5, 90, 3600, 0, 1.5):
+        assert parse_duration(format_duration(s)) == pytest.approx(s)
+
+
+@pytest.mark.parametrize("text,value", [("true", True), ("FALSE", False), ("1", True),
+                                        ("0", False), ("yes", True), ("no", False)])
+def test_booleans(text, value):
+    assert parse_bool(text) is value
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("bind_address", "not_a_host!", "--bind-address (not_a_host!) must be a valid IP"),
+    ("health_bind_address", "-bad-", "--health-bind-address (-bad-) must be a valid IP"),
+    ("endpoints", "", "--endpoints is required"),
+    ("endpoints", " , ", "--endpoints ( , ) must not be empty"),
+    ("endpoints", "10.0.0.1", "is not host:port"),
+    ("endpoints", "10.0.0.1:0", "port 0 is outside 1-65535"),
+    ("endpoints", "10.0.0.1:65536", "port 65536 is outside 1-65535"),
+    ("endpoints", "10.0.0.1:http", "port 'http' is not a number"),
+    ("endpoints", "bad_host:6443", "is not an IP address or RFC 1123 hostname"),
+    ("endpoints", "fd00::1:6443", "must be written in brackets"),
+    ("bind_port", "0", "--bind-port (0) must be in the range 1-65535"),
+    ("bind_port", "70000", "--bind-port (70000) must be in the range 1-65535"),
+    ("health_port", "-1", "--health-port (-1) must be in the range 1-65535"),
+    ("bind_port", "abc", "--bind-port (abc) is invalid"),
+    ("health_port", "7445", "--bind-port (7445) and --health-port (7445) must differ"),
+    ("health_interval", "500ms", "--health-interval (500ms) must be at least 1s"),
+    ("health_timeout", "999ms", "--health-timeout (999ms) must be at least 1s"),
+    ("health_timeout", "20s", "--health-timeout (20s) must be less than --health-interval (20s)"),
+    ("log_level", "verbose", "--log-level (verbose) is invalid: must be one of debug"),
+    ("liveness_interval", "0s", "--liveness-interval (0s) must be at least 1s"),
+    ("liveness_threshold", "900ms", "--liveness-threshold (900ms) must be at least 1s"),
+    ("liveness_threshold", "5s",
+     "--liveness-threshold (5s) must be greater than --liveness-interval (5s)"),
+    ("drain_timeout", "-1s", "--drain-timeout (-1s) must not be negative"),
+    ("upstream_selection", "roundrobin", "--upstream-selection (roundrobin) is invalid"),
+    ("health_check", "http", "--health-check (http) is invalid: must be one of tcp, readyz"),
+    ("health_check", "readyz", "--health-check=readyz requires --health-check-ca-file"),
+    ("health_check_cert_file", "/c.pem", "must be set together"),
+    ("health_check_key_file", "/k.pem", "must be set together"),
+    ("health_check_server_name", "  ", "--health-check-server-name must not be empty"),
+    ("enable_discovery", "maybe", "--enable-discovery (maybe) is invalid"),
+    ("max_connections", "0", "--max-connections (0) must be at least 1"),
+])
+def test_each_rule_names_the_flag_and_value(field, value, needle):
+    found = problems(**{field: value})
+    assert any(needle in p for p in found), found
+
+
+def test_all_problems_reported_at_once():
+    found = problems(bind_port="0", health_timeout="30s", log_level="loud",
+                     drain_timeout="-5s")
+    assert len(found) == 4, found
+
+
+def test_valid_edge_values():
+    c = validate({**OK, "bind_port": "1", "health_port": "65535", "health_interval": "2s",
+                  "health_timeout": "1s", "liveness_interval": "1s",
+                  "liveness_threshold": "1001ms", "drain_timeout": "0",
+                  "endpoints": "[fd00::1]:6443,cp-1.example.com:6443,10.0.0.1:6443",
+                  "health_check": "readyz", "health_check_ca_file": "/ca.pem",
+                  "upstream_selection": "latency"})
+    assert c.drain_timeout == 0
+    assert [str(e) for e in c.endpoints] == ["[fd00::1]:6443", "cp-1.example.com:6443",
+                                             "10.0.0.1:6443"]
+
+
+def test_endpoint_round_trip():
+    for text in ("10.0.0.1:6443", "[::1]:7445", "api.example.com:443"):
+        assert str(parse_endpoint(text)) == text
