@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable
 
 from extractedprism.config import Config
+from extractedprism.endpoints import Endpoint
 from extractedprism.merge import Merger
 from extractedprism.metrics import Metrics
-from extractedprism.probes import ReadyzSettings
+from extractedprism.probes import ProbeResult, ReadyzSettings, probe
 from extractedprism.proxy import Proxy
 from extractedprism.registry import Registry
 from extractedprism.ticker import Ticker
@@ -81,7 +82,9 @@ class App:
 
     def __init__(self, config: Config, *, metrics: Metrics | None = None,
                  stop: threading.Event | None = None, sa_dir: str | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 prober: Callable[[Endpoint, float, ReadyzSettings | None], ProbeResult]
+                 = probe) -> None:
         self.config = config
         self.stop_event = stop or threading.Event()
         self.metrics = metrics or Metrics()
@@ -106,7 +109,7 @@ class App:
             )
         self.ticker = Ticker(self.registry, interval=config.health_interval,
                              timeout=config.health_timeout, readyz=readyz,
-                             stop=self.stop_event,
+                             stop=self.stop_event, prober=prober,
                              max_wait=min(config.liveness_interval, config.health_interval))
         self.registry.on_change = self.ticker.wake
         self.registry.set_probe_now(self.ticker.probe_now)
@@ -174,7 +177,7 @@ class App:
             self.metrics.discovery_errors_total.labels(provider=provider).inc()
             self.discovery = None
 
-    def _on_discovered(self, endpoints: list) -> None:  # type: ignore[type-arg]
+    def _on_discovered(self, endpoints: list[Endpoint]) -> None:
         self.merger.update("kubernetes", endpoints)
 
     def liveness_problem(self, lock_timeout: float) -> str:

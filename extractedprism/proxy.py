@@ -258,6 +258,7 @@ class Proxy:
                 tried.add(addr)
                 upstream = self._dial(ep, self._dial_timeout)
                 if upstream is None:
+                    reg.abandon(addr)
                     continue
             assert addr is not None
             pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr)
@@ -267,7 +268,7 @@ class Proxy:
                     # The endpoint started draining while we dialed: one retry elsewhere.
                     drain_retry = False
                     tried.add(addr)
-                    if reg.pick(exclude=tried) is not None:
+                    if reg.any_pickable(exclude=tried):
                         continue
                 client_sock.close()
                 return
@@ -283,8 +284,12 @@ class Proxy:
         try:
             sock = dial(ep, timeout)
         except OSError as exc:
-            shutting_down = self._stopping.is_set()
             reason = describe_error(exc)
+            if exc.errno in _FD_ERRNOS:
+                # Out of descriptors here is not the upstream's fault: no streak, no count.
+                log.warning("dial failed locally upstream=%s reason=%r", addr, reason)
+                return None
+            shutting_down = self._stopping.is_set()
             self._registry.record_dial(addr, False, reason, count_error=not shutting_down)
             log.info("dial failed upstream=%s reason=%r", addr, reason)
             return None

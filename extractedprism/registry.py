@@ -66,6 +66,7 @@ class _Upstream:
     drain_deadline: float | None = None
     unready_deadline: float | None = None
     conns: dict[int, Tracked] = field(default_factory=dict)
+    dialing: int = 0  # picked, dial in progress: counts for least-conn
     total_connections: int = 0
     last_check_error: str = ""
     last_success: float = 0.0
@@ -231,7 +232,7 @@ class Registry:
                 draining=up.draining,
                 ready=up.readiness is Readiness.READY,
                 tier=self._latency.tier(addr) if latency else None,
-                active=len(up.conns),
+                active=len(up.conns) + up.dialing,
             )
             for addr, up in self._ups.items()
         ]
@@ -246,7 +247,25 @@ class Registry:
                 rng=self._rng,
                 exclude=frozenset(exclude),
             )
-            return self._ups[addr].endpoint if addr is not None else None
+            if addr is None:
+                return None
+            up = self._ups[addr]
+            # Counted until attach() or abandon(), so concurrent picks see each other.
+            up.dialing += 1
+            return up.endpoint
+
+    def any_pickable(self, exclude: Iterable[str] = ()) -> bool:
+        skip = frozenset(exclude)
+        with self.lock:
+            return any(u.healthy and not u.draining and a not in skip
+                       for a, u in self._ups.items())
+
+    def abandon(self, addr: str) -> None:
+        """A picked upstream was not used after all (its dial failed)."""
+        with self.lock:
+            up = self._ups.get(addr)
+            if up is not None and up.dialing > 0:
+                up.dialing -= 1
 
     def panic_order(self, exclude: Iterable[str] = ()) -> list[Endpoint]:
         """Every non-draining upstream, most recently successful first (panic mode)."""
@@ -416,6 +435,8 @@ class Registry:
         """Track a connection that just dialed ``addr``; False if it drains or left."""
         with self.lock:
             up = self._ups.get(addr)
+            if up is not None and up.dialing > 0:
+                up.dialing -= 1
             if up is None or up.draining or self._closing:
                 return False
             up.conns[id(conn)] = conn

@@ -55,8 +55,10 @@ def fast_config(endpoints: list[Endpoint] | tuple[Endpoint, ...], **overrides: o
 def make_app() -> Iterator[Callable[..., App]]:
     apps: list[App] = []
 
-    def factory(endpoints: list[Endpoint], **overrides: object) -> App:
-        app = App(fast_config(endpoints, **overrides))
+    def factory(endpoints: list[Endpoint], *, prober: object = None, **overrides: object
+                ) -> App:
+        extra = {"prober": prober} if prober is not None else {}
+        app = App(fast_config(endpoints, **overrides), **extra)  # type: ignore[arg-type]
         app.start()
         apps.append(app)
         return app

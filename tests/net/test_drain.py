@@ -1,0 +1,186 @@
+"""Graceful draining, connection tracking, backpressure (spec "Graceful draining")."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from extractedprism.endpoints import Endpoint
+from tests.net.test_proxy import connect, read_line, whoami
+from tests.util import http, wait_until
+
+
+def open_to(app, name: str, want: int = 1, limit: int = 200) -> list[socket.socket]:  # type: ignore[no-untyped-def]
+    """Open connections until ``want`` of them landed on upstream ``name``."""
+    mine, others = [], []
+    for _ in range(limit):
+        s = connect(app)
+        (mine if read_line(s) == name else others).append(s)
+        if len(mine) == want:
+            break
+    for s in others:
+        s.close()
+    assert len(mine) == want
+    return mine
+
+
+def still_open(s: socket.socket) -> bool:
+    s.sendall(b"ping\n")
+    return read_line(s) == "ping"
+
+
+def closed(s: socket.socket) -> bool:
+    s.settimeout(5)
+    try:
+        return s.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_removed_endpoint_drains_until_timeout(make_app, servers):
+    ups = servers(2)
+    app = make_app([u.endpoint for u in ups], drain_timeout=1.0)
+    (conn,) = open_to(app, "up0")
+    gone = ups[0].address
+    t0 = time.monotonic()
+    app.registry.set_endpoints([ups[1].endpoint])
+    snap = app.registry.snapshot()
+    assert snap.get(gone).draining and not snap.get(gone).pickable
+    # No new connections go to the draining upstream ...
+    assert {whoami(app) for _ in range(20)} == {"up1"}
+    # ... while its live connection keeps working within the grace period.
+    assert still_open(conn)
+    assert closed(conn)
+    elapsed = time.monotonic() - t0
+    assert 0.9 <= elapsed <= 2.5, elapsed
+    wait_until(lambda: app.registry.snapshot().get(gone) is None, 5)
+    conn.close()
+
+
+def test_readding_aborts_the_drain(make_app, servers):
+    ups = servers(2)
+    app = make_app([u.endpoint for u in ups], drain_timeout=0.6)
+    (conn,) = open_to(app, "up0")
+    app.registry.set_endpoints([ups[1].endpoint])
+    assert app.registry.snapshot().get(ups[0].address).draining
+    app.registry.set_endpoints([u.endpoint for u in ups])
+    assert not app.registry.snapshot().get(ups[0].address).draining
+    deadline = time.monotonic() + 1.5  # well past the drain timeout
+    while time.monotonic() < deadline:
+        assert still_open(conn)
+        time.sleep(0.1)
+    conn.close()
+
+
+def test_zero_drain_timeout_closes_at_once(make_app, servers):
+    ups = servers(2)
+    app = make_app([u.endpoint for u in ups], drain_timeout=0.0)
+    (conn,) = open_to(app, "up0")
+    t0 = time.monotonic()
+    app.registry.set_endpoints([ups[1].endpoint])
+    assert closed(conn)
+    assert time.monotonic() - t0 < 0.5
+    assert app.registry.snapshot().get(ups[0].address) is None
+    conn.close()
+
+
+def test_drain_completes_early_when_connections_finish(make_app, servers):
+    ups = servers(2)
+    app = make_app([u.endpoint for u in ups], drain_timeout=30.0)
+    (conn,) = open_to(app, "up0")
+    app.registry.set_endpoints([ups[1].endpoint])
+    conn.close()
+    wait_until(lambda: app.registry.snapshot().get(ups[0].address) is None, 5)
+
+
+def test_metric_series_deleted_after_drain(make_app, servers):
+    ups = servers(2)
+    app = make_app([u.endpoint for u in ups], drain_timeout=0.3, health_interval=30,
+                   health_timeout=1)
+    gone = ups[0].address
+    ups[0].close_listener()
+    for _ in range(10):  # dial failures feed connection_errors_total{upstream=gone}
+        connect(app).close()
+    wait_until(lambda: app.metrics.sample("extractedprism_connection_errors_total",
+                                          {"upstream": gone}), 5)
+    app.registry.set_endpoints([ups[1].endpoint])
+    wait_until(lambda: app.registry.snapshot().get(gone) is None, 5)
+    text = http(app.health_address, "/metrics")[2].decode()
+    assert gone not in text
+    # Failures reported after removal are not counted until the address is added again.
+    app.registry.record_dial(gone, False, "late")
+    assert gone not in http(app.health_address, "/metrics")[2].decode()
+
+
+def test_connection_tracking_and_per_upstream_gauge(make_app, servers):
+    ups = servers(1)
+    app = make_app([u.endpoint for u in ups])
+    conns = [connect(app) for _ in range(3)]
+    for c in conns:
+        assert read_line(c) == "up0"
+        c.sendall(b"x" * 1000 + b"\n")
+        assert len(read_line(c)) == 1000
+    views = wait_until(lambda: len(app.registry.connections()) == 3 and app.registry.connections())
+    for v in views:
+        assert v.upstream == ups[0].address
+        assert v.client.startswith("127.0.0.1:")
+        assert v.bytes_up == 1001 and v.bytes_down == 4 + 1001
+    text = http(app.health_address, "/metrics")[2].decode()
+    assert f'extractedprism_upstream_connections_active{{upstream="{ups[0].address}"}} 3.0' in text
+    assert "extractedprism_connections_active 3.0" in text
+    for c in conns:
+        c.close()
+    wait_until(lambda: app.registry.connection_count() == 0, 5)
+
+
+def test_drain_race_retries_on_another_upstream(make_app, servers):
+    """A connection whose upstream starts draining while it is dialed gets one retry."""
+    ups = servers(2)
+    app = make_app([u.endpoint for u in ups], drain_timeout=5.0)
+    from extractedprism import proxy as proxy_mod
+
+    real_dial = proxy_mod.dial
+    fired = threading.Event()
+
+    def racing_dial(ep: Endpoint, timeout: float) -> socket.socket:
+        sock = real_dial(ep, timeout)
+        if str(ep) == ups[0].address and not fired.is_set():
+            fired.set()
+            app.registry.set_endpoints([ups[1].endpoint])  # drain starts mid-dial
+        return sock
+
+    proxy_mod.dial = racing_dial
+    try:
+        for _ in range(50):
+            with connect(app) as s:
+                assert read_line(s) in ("up0", "up1")
+            if fired.is_set():
+                break
+    finally:
+        proxy_mod.dial = real_dial
+    assert fired.is_set()
+    # The racing connection went to up1, and nothing is attached to the draining up0.
+    assert app.registry.snapshot().get(ups[0].address) is None
+
+
+def test_max_connections_backpressure(make_app, servers):
+    ups = servers(1)
+    app = make_app([u.endpoint for u in ups], max_connections=2)
+    a, b = connect(app), connect(app)
+    assert read_line(a) == "up0" and read_line(b) == "up0"
+    c = connect(app)  # accepted by the kernel backlog, not by the proxy
+    c.settimeout(0.5)
+    try:
+        c.recv(3)
+        raise AssertionError("third connection was served beyond --max-connections")
+    except TimeoutError:
+        pass
+    assert app.registry.connection_count() == 2
+    a.close()
+    c.settimeout(5)
+    assert read_line(c) == "up0"  # served as soon as a slot freed
+    text = http(app.health_address, "/metrics")[2].decode()
+    assert "extractedprism_connections_max 2.0" in text
+    for s in (b, c):
+        s.close()

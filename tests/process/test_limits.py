@@ -1,0 +1,128 @@
+"""Resource limits seen from outside: fd exhaustion, many live connections at SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from tests.fakes.upstream import IdentityServer
+from tests.util import PYTHON, ROOT, free_ports, http, wait_until
+
+
+def _raise_own_fd_limit(n: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(n, hard), hard))
+
+
+def spawn(endpoint: str, *args: str, nofile: int | None = None
+          ) -> tuple[subprocess.Popen[bytes], int, int]:
+    bind, health = free_ports(2)
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "extractedprism", "--endpoints", endpoint, "--bind-port", str(bind),
+         "--health-port", str(health), "--enable-discovery=false", "--health-interval", "2s",
+         "--health-timeout", "1s", *args],
+        cwd=ROOT, env=env, preexec_fn=limit, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+
+    def up() -> bool:
+        try:
+            return http(("127.0.0.1", health), "/healthz", timeout=1)[0] == 200
+        except OSError:
+            return proc.poll() is not None
+
+    wait_until(up, 15)
+    assert proc.poll() is None
+    return proc, bind, health
+
+
+def served(bind: int, timeout: float = 0.5) -> socket.socket | None:
+    s = socket.create_connection(("127.0.0.1", bind), timeout=5)
+    s.settimeout(timeout)
+    try:
+        if s.recv(3) == b"up\n":
+            return s
+    except OSError:
+        pass
+    s.close()
+    return None
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(90)
+def test_acceptor_survives_fd_exhaustion_and_recovers():
+    _raise_own_fd_limit(4096)
+    up = IdentityServer(name="up").start()
+    proc, bind, health = spawn(up.address, nofile=96)
+    held: list[socket.socket] = []
+    try:
+        # Hold connections until the proxy runs out of descriptors.
+        for _ in range(200):
+            s = served(bind)
+            if s is None:
+                break
+            held.append(s)
+        assert 5 < len(held) < 200, len(held)
+        # Exhausted: no busy loop while clients wait (the acceptor backs off).
+        c0, t0 = cpu_seconds(proc.pid), time.monotonic()
+        time.sleep(1.0)
+        assert (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0) < 0.5
+        for s in held:
+            s.close()
+        held.clear()
+        # Descriptors free up: new connections are served again, by the same process.
+        wait_until(lambda: (s := served(bind, 2.0)) is not None and held.append(s) is None,
+                   20, message="a new connection served after fds were freed")
+        assert proc.poll() is None
+        assert http(("127.0.0.1", health), "/healthz")[0] == 200
+    finally:
+        for s in held:
+            s.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        up.stop()
+    assert proc.returncode == 0
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_with_500_live_connections_exits_0_within_6s():
+    _raise_own_fd_limit(8192)
+    up = IdentityServer(name="up", backlog=1024).start()
+    proc, bind, _ = spawn(up.address)
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(500):
+            s = socket.create_connection(("127.0.0.1", bind), timeout=10)
+            conns.append(s)
+        for s in conns:
+            s.settimeout(10)
+            assert s.recv(3) == b"up\n"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(10)
+        assert rc == 0
+        assert time.monotonic() - t0 < 6
+    finally:
+        for s in conns:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        up.stop()
