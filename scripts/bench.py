@@ -339,9 +339,14 @@ def cpu_seconds(pid: int) -> float:
 def proc_status(pid: int) -> dict:
     with open(f"/proc/{pid}/status") as fh:
         text = fh.read()
+    try:
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        fds = None
     return {"rss_kib": parse_status_kib(text, "VmRSS"),
             "rss_anon_kib": parse_status_kib(text, "RssAnon"),
-            "threads": int(re.search(r"^Threads:\s+(\d+)", text, re.M).group(1))}
+            "threads": int(re.search(r"^Threads:\s+(\d+)", text, re.M).group(1)),
+            "fds": fds}
 
 
 def settled_rss(pid: int, timeout: float = 5.0) -> dict:
@@ -730,7 +735,8 @@ class Bench:
         self.idle_detail = getattr(self, "idle_detail", {})
         self.idle_detail[path] = {"before": before, "after": after, "connections": n}
         print(f"  {path:15s} RSS {before['rss_kib']} -> {after['rss_kib']} KiB "
-              f"(threads {before['threads']} -> {after['threads']}): {per:.1f} KiB/conn",
+              f"(threads {before['threads']} -> {after['threads']}, fds {before['fds']} -> "
+              f"{after['fds']}): {per:.1f} KiB/conn",
               flush=True)
 
 
