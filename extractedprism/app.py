@@ -143,7 +143,8 @@ class App:
         self.proxy.bind()
         try:
             self.health = HealthServer(self.registry, self.metrics, self.alive,
-                                       host=cfg.health_bind_address, port=cfg.health_port)
+                                       host=cfg.health_bind_address, port=cfg.health_port,
+                                       liveness_reason=self.liveness_reason)
         except OSError:
             self.proxy.close_listener()
             raise
@@ -198,6 +199,11 @@ class App:
 
     def alive(self) -> bool:
         return self._started and not self.stop_event.is_set() and self.heartbeat.alive()
+
+    def liveness_reason(self) -> str:
+        if self.stop_event.is_set():
+            return "shutting down"
+        return self.heartbeat.last_problem or "heartbeat too old"
 
     def stop(self) -> bool:
         """Ordered, bounded shutdown; True when every thread finished in time."""

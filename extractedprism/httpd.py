@@ -108,12 +108,13 @@ class _Handler(BaseHTTPRequestHandler):
         app = self.server.app
         path = self.path.split("?", 1)[0]
         if path == "/healthz":
-            ok = app.alive()
-            return (200 if ok else 503), (b"ok\n" if ok else b"not alive\n"), "text/plain"
+            if app.alive():
+                return 200, b"ok\n", "text/plain"
+            return 503, f"not alive: {app.liveness_reason()}\n".encode(), "text/plain"
         if path == "/readyz":
-            ok = app.registry.healthy()
-            return (200 if ok else 503), (b"ok\n" if ok else b"no healthy upstream\n"), \
-                "text/plain"
+            if app.registry.healthy():
+                return 200, b"ok\n", "text/plain"
+            return 503, b"not ready: no healthy upstream\n", "text/plain"
         if path == "/metrics":
             return 200, generate_latest(app.metrics.registry), CONTENT_TYPE_LATEST
         if path == "/upstreams":
@@ -159,10 +160,11 @@ class HealthServer:
     """Owns the HTTP server and its ``health-http`` thread."""
 
     def __init__(self, registry: Registry, metrics: Metrics, alive: Callable[[], bool], *,
-                 host: str, port: int) -> None:
+                 host: str, port: int, liveness_reason: Callable[[], str] = str) -> None:
         self.registry = registry
         self.metrics = metrics
         self.alive = alive
+        self.liveness_reason = liveness_reason
         handler = _Handler
         if is_ip(host) and ":" in host:
             server_cls: type[_Server] = type("_Server6", (_Server,),

@@ -284,3 +284,27 @@ def test_no_thread_or_fd_growth_after_1000_short_connections(make_app, servers):
     wait_until(lambda: app.registry.connection_count() == 0, 5)
     wait_until(lambda: threading.active_count() <= threads0 + 2, 5)
     wait_until(lambda: fds() <= fds0 + 4, 5, message=f"fds back to {fds0}")
+
+
+def test_ipv6_listener_and_upstream(make_app):
+    from tests.fakes.upstream import IdentityServer
+
+    up = IdentityServer(name="v6", host="::1").start()
+    try:
+        app = make_app([up.endpoint], bind_address="::1", health_bind_address="::1")
+        assert app.proxy_address[0] == "::1"
+        with socket.create_connection(("::1", app.proxy_address[1]), timeout=5) as s:
+            assert read_line(s) == "v6"
+        assert http(("::1", app.health_address[1]), "/readyz")[0] == 200
+        assert str(up.endpoint).startswith("[::1]:")
+    finally:
+        up.stop()
+
+
+def test_hostname_endpoint(make_app, servers):
+    from extractedprism.endpoints import Endpoint
+
+    (up,) = servers(1)
+    app = make_app([Endpoint("localhost", up.endpoint.port)])
+    wait_until(lambda: app.registry.snapshot().get(f"localhost:{up.endpoint.port}").healthy, 5)
+    assert whoami(app) == "up0"
