@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from extractedprism import pipe as pipe_mod
+from extractedprism.endpoints import Endpoint
 from extractedprism.sockopts import USER_TIMEOUT_MS
 from tests.fakes.upstream import EchoServer
 from tests.util import http, wait_until
@@ -93,9 +96,31 @@ def test_half_close_propagates_and_rest_of_response_arrives(make_app, servers, m
     assert got == payload  # everything, then EOF passed back
 
 
+@contextlib.contextmanager
+def scripted_upstream(handle: Callable[[socket.socket], None]) -> Iterator[Endpoint]:
+    """A loopback upstream that runs ``handle`` for every connection (probes included)."""
+    lst = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = lst.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), name="test-upstream-conn").start()
+
+    t = threading.Thread(target=serve, name="test-upstream")
+    t.start()
+    try:
+        yield Endpoint("127.0.0.1", lst.getsockname()[1])
+    finally:
+        lst.shutdown(socket.SHUT_RDWR)
+        lst.close()
+        t.join(5)
+
+
 def test_upstream_half_close_reaches_client(make_app):
     # Upstream writes a greeting, closes its write side, and keeps reading.
-    lst = socket.create_server(("127.0.0.1", 0))
     received = bytearray()
 
     def handle(conn: socket.socket) -> None:
@@ -108,32 +133,16 @@ def test_upstream_half_close_reaches_client(make_app):
             except OSError:
                 pass  # the health probe hangs up at once
 
-    def serve() -> None:
-        # Health probes connect too, so serve every connection.
-        while True:
-            try:
-                conn, _ = lst.accept()
-            except OSError:
-                return
-            threading.Thread(target=handle, args=(conn,), name="test-upstream-conn").start()
-
-    t = threading.Thread(target=serve, name="test-upstream")
-    t.start()
-    from extractedprism.endpoints import Endpoint
-
-    app = make_app([Endpoint("127.0.0.1", lst.getsockname()[1])])
-    with connect(app) as s:
-        assert recv_exact(s, 4) == b"bye"  # then EOF
-        s.sendall(b"still talking")
-        s.shutdown(socket.SHUT_WR)
-        wait_until(lambda: bytes(received) == b"still talking", 5)
-    lst.shutdown(socket.SHUT_RDWR)
-    lst.close()
-    t.join(5)
+    with scripted_upstream(handle) as ep:
+        app = make_app([ep])
+        with connect(app) as s:
+            assert recv_exact(s, 4) == b"bye"  # then EOF
+            s.sendall(b"still talking")
+            s.shutdown(socket.SHUT_WR)
+            wait_until(lambda: bytes(received) == b"still talking", 5)
 
 
 def test_reset_from_upstream_closes_client(make_app):
-    lst = socket.create_server(("127.0.0.1", 0))
     resets = []
 
     def handle(conn: socket.socket) -> None:
@@ -142,29 +151,15 @@ def test_reset_from_upstream_closes_client(make_app):
             resets.append(1)
         conn.close()  # RST when data was received (linger 0), else a plain close (probe)
 
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = lst.accept()
-            except OSError:
-                return
-            threading.Thread(target=handle, args=(conn,), name="test-upstream-conn").start()
-
-    t = threading.Thread(target=serve, name="test-upstream")
-    t.start()
-    from extractedprism.endpoints import Endpoint
-
-    app = make_app([Endpoint("127.0.0.1", lst.getsockname()[1])])
-    with connect(app) as s:
-        s.sendall(b"hello")
-        s.settimeout(5)
-        with pytest.raises(ConnectionResetError):
-            s.recv(10)  # the upstream's reset is passed on to the client
-    assert resets
-    lst.shutdown(socket.SHUT_RDWR)
-    lst.close()
-    t.join(5)
-    wait_until(lambda: app.registry.connection_count() == 0, 5)
+    with scripted_upstream(handle) as ep:
+        app = make_app([ep])
+        with connect(app) as s:
+            s.sendall(b"hello")
+            s.settimeout(5)
+            with pytest.raises(ConnectionResetError):
+                s.recv(10)  # the upstream's reset is passed on to the client
+        assert resets
+        wait_until(lambda: app.registry.connection_count() == 0, 5)
 
 
 def test_200_concurrent_connections_intact(make_app, servers):
@@ -302,8 +297,6 @@ def test_ipv6_listener_and_upstream(make_app):
 
 
 def test_hostname_endpoint(make_app, servers):
-    from extractedprism.endpoints import Endpoint
-
     (up,) = servers(1)
     app = make_app([Endpoint("localhost", up.endpoint.port)])
     wait_until(lambda: app.registry.snapshot().get(f"localhost:{up.endpoint.port}").healthy, 5)
