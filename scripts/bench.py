@@ -920,6 +920,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         hold_forever(args.hold)
         return 0
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
     signal.signal(signal.SIGALRM, on_alarm)
