@@ -8,6 +8,7 @@ unambiguous and round-trips through :func:`parse_endpoint`.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -47,8 +48,9 @@ class Endpoint:
             return f"[{self.host}]:{self.port}"
         return f"{self.host}:{self.port}"
 
-    @property
+    @functools.cached_property
     def is_hostname(self) -> bool:
+        # Cached: the dial path asks on every new connection.
         return not is_ip(self.host)
 
 

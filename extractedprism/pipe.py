@@ -33,7 +33,7 @@ import time
 log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
-SMALL_CHUNK = 16 * 1024
+BUFFER_SIZE = 32 * 1024  # buffer path only; its pages count against RSS per thread
 HAVE_SPLICE = hasattr(os, "splice") and hasattr(os, "pipe2")
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 0) | getattr(os, "SPLICE_F_NONBLOCK", 0)
 # Pipe mode chosen by the operator for debugging ("splice" | "buffer").
@@ -52,11 +52,11 @@ def _thread_buffer() -> bytearray:
     """One read buffer per pipe thread, reused across its connections.
 
     Allocated at the first byte this thread copies in buffer mode, so idle threads and
-    splice-mode threads never touch it (it would cost 16-64 KiB of RSS each).
+    splice-mode threads never touch it (it costs its size in RSS once touched).
     """
     buf = getattr(_local, "buf", None)
     if buf is None:
-        buf = _local.buf = bytearray(SMALL_CHUNK)
+        buf = _local.buf = bytearray(BUFFER_SIZE)
     return buf
 
 
@@ -83,32 +83,29 @@ def _drop_thread_pipes() -> None:
 
 
 class _Half:
-    """One direction: src -> dst, with what has been read but not yet written."""
+    """One direction, src -> dst: what was read but not yet written, and EOF state."""
 
-    __slots__ = ("dst", "dst_fd", "eof", "name", "pending", "pipe", "shut", "src", "src_fd",
-                 "tail")
+    __slots__ = ("dst", "dst_fd", "eof", "pending", "pipe_r", "pipe_w", "shut", "src",
+                 "src_fd", "tail", "up")
 
-    def __init__(self, name: str, src: socket.socket, dst: socket.socket) -> None:
-        self.name = name
+    def __init__(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
         self.src, self.dst = src, dst
         self.src_fd, self.dst_fd = src.fileno(), dst.fileno()
-        self.pending = 0  # bytes waiting in the kernel pipe (splice mode)
+        self.up = up  # client -> upstream
+        self.pipe_r = self.pipe_w = -1  # kernel pipe (splice mode), else -1
+        self.pending = 0  # bytes waiting in the kernel pipe
         self.tail = b""  # bytes waiting in user space (buffer mode)
-        self.eof = False
-        self.shut = False
-        self.pipe: tuple[int, int] | None = None
+        self.eof = False  # src said EOF
+        self.shut = False  # EOF passed on to dst: this direction is finished
 
     @property
-    def done(self) -> bool:
-        return self.shut
+    def waiting(self) -> bool:
+        """dst was full: wait for POLLOUT on dst, read nothing more from src meanwhile."""
+        return bool(self.pending or self.tail)
 
-    def wants(self) -> tuple[int, int]:
-        """(fd, events) this half waits for, or (-1, 0) when it waits for nothing."""
-        if self.shut:
-            return -1, 0
-        if self.pending or self.tail:
-            return self.dst_fd, select.POLLOUT
-        return self.src_fd, select.POLLIN
+    @property
+    def reading(self) -> bool:
+        return not (self.eof or self.pending or self.tail)
 
 
 class Pipe:
@@ -140,45 +137,53 @@ class Pipe:
     # -- the pipe thread ------------------------------------------------------------
 
     def run(self) -> None:
-        """Copy until both directions finish, an error occurs, or close() is called."""
+        """Copy until both directions finish, an error occurs, or close() is called.
+
+        Each readiness event costs one read and one write (and a GIL round trip each):
+        after a short read the loop goes back to poll instead of reading until EAGAIN,
+        because with many busy pipe threads every extra syscall is another GIL hand-off.
+        """
         c, u = self.client_sock, self.upstream_sock
         c.setblocking(False)
         u.setblocking(False)
-        up = _Half("up", c, u)
-        down = _Half("down", u, c)
+        up, down = _Half(c, u, True), _Half(u, c, False)
         if self._mode == "splice":
             pipes = _thread_pipes()
             if pipes is not None:
-                up.pipe, down.pipe = pipes[0], pipes[1]
+                (up.pipe_r, up.pipe_w), (down.pipe_r, down.pipe_w) = pipes
+        cfd, ufd = up.src_fd, down.src_fd
         poller = select.poll()
-        registered: dict[int, int] = {}
+        poller.register(cfd, _POLLIN)
+        poller.register(ufd, _POLLIN)
+        masks = {cfd: _POLLIN, ufd: _POLLIN}
+        by_src = {cfd: up, ufd: down}
+        by_dst = {ufd: up, cfd: down}
         reset = False
         try:
-            while not self._closed and not (up.done and down.done):
-                want: dict[int, int] = {}
-                for half in (up, down):
-                    fd, ev = half.wants()
-                    if fd >= 0:
-                        want[fd] = want.get(fd, 0) | ev
-                for fd in list(registered):
-                    if fd not in want:
-                        poller.unregister(fd)
-                        del registered[fd]
-                for fd, ev in want.items():
-                    if registered.get(fd) != ev:
-                        if fd in registered:
-                            poller.modify(fd, ev)
-                        else:
-                            poller.register(fd, ev)
-                        registered[fd] = ev
+            while not (up.shut and down.shut):
                 events = poller.poll()
                 if self._closed:
                     break
-                ready = {fd for fd, _ in events}
-                for half in (up, down):
-                    fd, _ = half.wants()
-                    if fd in ready:
-                        self._pump(half)
+                for fd, ev in events:
+                    out = by_dst[fd]
+                    if out.waiting and ev & _POLLOUT:
+                        self._drain(out)
+                    inn = by_src[fd]
+                    if inn.reading and ev & _POLLIN:
+                        self._read(inn)
+                for fd in (cfd, ufd):
+                    want = (_POLLIN if by_src[fd].reading else 0) | (
+                        _POLLOUT if by_dst[fd].waiting else 0)
+                    if want != masks[fd]:
+                        # An fd we need nothing from is unregistered, or its HUP/ERR
+                        # would wake poll in a loop while the other direction finishes.
+                        if not want:
+                            poller.unregister(fd)
+                        elif not masks[fd]:
+                            poller.register(fd, want)
+                        else:
+                            poller.modify(fd, want)
+                        masks[fd] = want
         except OSError as exc:
             reset = True
             if exc.errno in _EXPECTED:
@@ -190,66 +195,69 @@ class Pipe:
         finally:
             self._finish(up, down, reset or self._closed)
 
-    def _pump(self, h: _Half) -> None:
-        """Move as much as possible in direction ``h`` without blocking."""
+    def _read(self, h: _Half) -> None:
+        """Read what src has (until a short read), writing each chunk straight on."""
         while True:
-            if (h.pending or h.tail) and not self._flush(h):
-                return  # dst is full: wait for POLLOUT
-            if h.eof:
-                # Everything read before EOF has been written: pass the half-close on.
+            if h.pipe_w >= 0:
                 try:
-                    h.dst.shutdown(socket.SHUT_WR)
+                    n = os.splice(h.src_fd, h.pipe_w, CHUNK, flags=_SPLICE_FLAGS)
+                except BlockingIOError:
+                    return
                 except OSError as exc:
-                    if exc.errno != errno.ENOTCONN:
+                    if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                         raise
-                h.shut = True
-                return
-            n = self._read(h)
-            if n is None:
-                return  # nothing more to read now
+                    # Nothing is pending (we only read when nothing is), so switching to
+                    # the buffer path here loses and reorders nothing.
+                    log.debug("splice unsupported reason=%r; using buffer copy", exc.strerror)
+                    h.pipe_r = h.pipe_w = -1
+                    continue
+                h.pending = n
+                full = n == CHUNK
+            else:
+                buf = _thread_buffer()
+                try:
+                    n = h.src.recv_into(buf)
+                except (BlockingIOError, InterruptedError):
+                    return
+                full = n == len(buf)
+                if n:
+                    try:
+                        sent = h.dst.send(memoryview(buf)[:n])
+                    except (BlockingIOError, InterruptedError):
+                        sent = 0
+                    if sent < n:
+                        h.tail = bytes(buf[sent:n])
             if n == 0:
                 h.eof = True
-                continue
-            if h.name == "up":
+                self._pass_eof(h)
+                return
+            if h.up:
                 self.bytes_up += n
             else:
                 self.bytes_down += n
+            if (h.pending and not self._flush(h)) or h.tail:
+                return  # dst is full: wait for POLLOUT
+            if not full:
+                return
 
-    def _read(self, h: _Half) -> int | None:
-        if h.pipe is not None:
-            try:
-                n = os.splice(h.src_fd, h.pipe[1], CHUNK, flags=_SPLICE_FLAGS)
-            except BlockingIOError:
-                return None
-            except OSError as exc:
-                if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    log.debug("splice unsupported here reason=%r; using buffer copy",
-                              exc.strerror)
-                    h.pipe = None  # nothing pending: safe to switch now
-                    return self._read(h)
-                raise
-            h.pending += n
-            return n
-        buf = _thread_buffer()
-        try:
-            n = h.src.recv_into(buf)
-        except (BlockingIOError, InterruptedError):
-            return None
-        if n:
-            h.tail = bytes(buf[:n])
-        return n
+    def _drain(self, h: _Half) -> None:
+        """dst became writable: flush, then pass EOF on or resume reading."""
+        if not self._flush(h):
+            return
+        if h.eof:
+            self._pass_eof(h)
+        else:
+            self._read(h)
 
     @staticmethod
     def _flush(h: _Half) -> bool:
         """Write pending bytes; True when all are out."""
-        if h.pipe is not None:
-            while h.pending:
-                try:
-                    n = os.splice(h.pipe[0], h.dst_fd, h.pending, flags=_SPLICE_FLAGS)
-                except BlockingIOError:
-                    return False
-                h.pending -= n
-            return True
+        while h.pending:
+            try:
+                n = os.splice(h.pipe_r, h.dst_fd, h.pending, flags=_SPLICE_FLAGS)
+            except BlockingIOError:
+                return False
+            h.pending -= n
         while h.tail:
             try:
                 n = h.dst.send(h.tail)
@@ -257,6 +265,17 @@ class Pipe:
                 return False
             h.tail = h.tail[n:]
         return True
+
+    @staticmethod
+    def _pass_eof(h: _Half) -> None:
+        if h.waiting or h.shut:
+            return  # after the flush
+        try:
+            h.dst.shutdown(socket.SHUT_WR)
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:
+                raise
+        h.shut = True
 
     def _finish(self, up: _Half, down: _Half, abort: bool) -> None:
         if abort:

@@ -289,7 +289,8 @@ class Registry:
     # -- health -------------------------------------------------------------------
 
     def _tcp_result_locked(self, addr: str, up: _Upstream, ok: bool, reason: str,
-                           source: str) -> None:
+                           source: str) -> bool:
+        """Feed one TCP outcome into the streak; True when the health state flipped."""
         if ok:
             up.fail_streak = 0
             up.last_success = self._clock()
@@ -297,7 +298,8 @@ class Registry:
                 up.healthy = True
                 log.info("upstream unhealthy->healthy upstream=%s reason=%r", addr,
                          f"{source} succeeded")
-            return
+                return True
+            return False
         up.fail_streak += 1
         if self._readyz:
             up.tcp_failed_since_probe = True
@@ -305,6 +307,8 @@ class Registry:
             up.healthy = False
             log.warning("upstream healthy->unhealthy upstream=%s reason=%r", addr,
                         f"{source}: {reason}")
+            return True
+        return False
 
     def record_probe(self, addr: str, result: ProbeResult) -> None:
         """Feed one health check (TCP, and readyz when enabled) into the state machine."""
@@ -326,7 +330,7 @@ class Registry:
             to_close.extend(self._update_readiness_deadlines_locked(self._clock()))
             self._update_panic_locked()
         self._run(to_close)
-        self._changed()
+        # No ticker wake-up here: the probe thread wakes it when it finishes.
 
     def _ready_result_locked(self, addr: str, up: _Upstream, ready: bool, reason: str) -> None:
         before = up.readiness
@@ -358,8 +362,11 @@ class Registry:
                 self._metrics.connection_errors_total.labels(upstream=addr).inc()
             if up.draining:
                 return
+            if ok and up.fail_streak == 0 and not up.tcp_failed_since_probe:
+                up.last_success = self._clock()
+                return  # the common case: nothing to change, nobody to wake
             was_failed = up.tcp_failed_since_probe
-            self._tcp_result_locked(addr, up, ok, reason, "dial")
+            flipped = self._tcp_result_locked(addr, up, ok, reason, "dial")
             if ok and self._readyz and was_failed:
                 # Reachable again after a TCP failure: not ready until the probe that
                 # runs right now passes.
@@ -369,10 +376,13 @@ class Registry:
                 up.readiness = Readiness.PENDING
                 up.ready_fail_streak = 0
                 probe = True
+            to_close = self._update_readiness_deadlines_locked(self._clock()) if flipped else []
             self._update_panic_locked()
+        self._run(to_close)
         if probe and self._probe_now is not None:
             self._probe_now(addr)
-        self._changed()
+        if flipped:
+            self._changed()
 
     # -- readiness-driven connection moves ----------------------------------------
 

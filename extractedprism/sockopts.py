@@ -54,9 +54,12 @@ def apply_sockopts(sock: socket.socket, opts: list[SockOpt] = CONNECTION_SOCKOPT
 def dial(endpoint: Endpoint, timeout: float) -> socket.socket:
     """Connect to ``endpoint`` within ``timeout`` (name resolution included)."""
     deadline = time.monotonic() + timeout
-    flags = 0 if endpoint.is_hostname else socket.AI_NUMERICHOST
-    infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM,
-                               flags=flags)
+    if endpoint.is_hostname:
+        infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
+    else:
+        # An IP literal needs no resolver round trip on every new connection.
+        family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
+        infos = [(family, socket.SOCK_STREAM, 0, "", (endpoint.host, endpoint.port))]
     last: OSError | None = None
     for family, type_, proto, _, addr in infos:
         remaining = deadline - time.monotonic()
