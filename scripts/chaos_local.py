@@ -963,8 +963,12 @@ def run_event(h: Harness, name: str, victim_key: str, inject: Callable[[], float
            and t0 <= a.end < out.t_end and a.end_reason not in ("stopped", "recycled", "")]
     inflight_cut = [a for a in atts if a.kind == "short" and not a.ok and a.start < t0
                     and a.end is not None and a.end >= t0]
-    fail_times = [a.end for a in new_failed + cut + inflight_cut if a.end is not None]
-    err_span = (max(fail_times) - min(fail_times)) if fail_times else 0.0
+    # From the start of the first failing connection (or the first cut) to the last
+    # failure: the time during which some client was hanging or erroring.
+    begins = [a.start for a in new_failed] + [a.end for a in cut + inflight_cut
+                                             if a.end is not None]
+    ends = [a.end for a in new_failed + cut + inflight_cut if a.end is not None]
+    err_span = (max(ends) - min(begins)) if ends and begins else 0.0
     last_new = h.monitor.last_new_connection(victim.address, t0, out.t_recover)
     client_last = max((a.connected for a in window if a.upstream == victim.name
                        and a.connected is not None and a.connected < out.t_recover),
@@ -982,7 +986,8 @@ def run_event(h: Harness, name: str, victim_key: str, inject: Callable[[], float
         + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(kinds.items()))})" if kinds else "")
         + f"; {len(inflight_cut)} in-flight short requests cut; {len(cut)} long-lived "
         f"connections cut (their clients reconnect)",
-        f"clients saw errors for: {err_span:.2f} s (first to last failure)",
+        f"clients saw errors for: {err_span:.2f} s (first failing connection to last "
+        "failure)",
         "no new connection to it after: "
         + ("none after the event" if last_new is None else f"<= {fmt(last_new - t0)} "
            f"(proxy /upstreams); last one a client saw: "
