@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import resource
 import signal
 import sys
@@ -97,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     _raise_fd_limit()
     # Shorter GIL slices cut the wait of a woken pipe thread under many connections.
-    sys.setswitchinterval(0.001)
+    sys.setswitchinterval(float(os.environ.get("EP_SWITCH_INTERVAL", "0.001")))
 
     from extractedprism.app import App
 

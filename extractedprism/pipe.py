@@ -21,6 +21,7 @@ both sockets down, which wakes the poll; only the pipe thread closes file descri
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -29,6 +30,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,51 @@ _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
 _LINGER_RST = struct.pack("ii", 1, 0)
 
 _local = threading.local()
+
+
+def _os_splice(src: int, dst: int, count: int) -> int:
+    """Non-blocking splice; -1 when it would block."""
+    try:
+        return os.splice(src, dst, count, flags=_SPLICE_FLAGS)
+    except BlockingIOError:
+        return -1
+
+
+def _make_gil_splice() -> Callable[[int, int, int], int] | None:
+    """splice(2) called through ctypes.PyDLL, which keeps the GIL for the call.
+
+    Every os.splice releases and re-takes the GIL. With dozens of busy pipe threads that
+    is a hand-off (and often a context switch) per syscall, several per request. The
+    fds are non-blocking and SPLICE_F_NONBLOCK is set, so the call returns in
+    microseconds and holding the GIL across it is cheaper than passing it around; the
+    only call that blocks, poll(), still releases it.
+    """
+    try:
+        libc = ctypes.PyDLL(None, use_errno=True)
+        fn = libc.splice
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_size_t, ctypes.c_uint]
+    fn.restype = ctypes.c_ssize_t
+    flags = _SPLICE_FLAGS
+    get_errno = ctypes.get_errno
+
+    def gil_splice(src: int, dst: int, count: int) -> int:
+        n = fn(src, None, dst, None, count, flags)
+        if n >= 0:
+            return n
+        err = get_errno()
+        if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+            return -1
+        raise OSError(err, os.strerror(err))
+
+    return gil_splice
+
+
+_splice: Callable[[int, int, int], int] = _os_splice
+if HAVE_SPLICE and os.environ.get("EP_SPLICE_IMPL", "os") == "ctypes":
+    _splice = _make_gil_splice() or _os_splice
 
 
 def _thread_buffer() -> bytearray:
@@ -200,9 +247,7 @@ class Pipe:
         while True:
             if h.pipe_w >= 0:
                 try:
-                    n = os.splice(h.src_fd, h.pipe_w, CHUNK, flags=_SPLICE_FLAGS)
-                except BlockingIOError:
-                    return
+                    n = _splice(h.src_fd, h.pipe_w, CHUNK)
                 except OSError as exc:
                     if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                         raise
@@ -211,6 +256,8 @@ class Pipe:
                     log.debug("splice unsupported reason=%r; using buffer copy", exc.strerror)
                     h.pipe_r = h.pipe_w = -1
                     continue
+                if n < 0:
+                    return
                 h.pending = n
                 full = n == CHUNK
             else:
@@ -253,9 +300,8 @@ class Pipe:
     def _flush(h: _Half) -> bool:
         """Write pending bytes; True when all are out."""
         while h.pending:
-            try:
-                n = os.splice(h.pipe_r, h.dst_fd, h.pending, flags=_SPLICE_FLAGS)
-            except BlockingIOError:
+            n = _splice(h.pipe_r, h.dst_fd, h.pending)
+            if n < 0:
                 return False
             h.pending -= n
         while h.tail:

@@ -50,17 +50,22 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-@pytest.mark.parametrize("mode", ["splice", "buffer"])
+@pytest.mark.parametrize("mode", ["splice", "splice-ctypes", "buffer"])
 def test_large_payload_both_ways_intact(make_app, servers, monkeypatch, mode):
+    if mode == "splice-ctypes":  # the GIL-holding ctypes splice (EP_SPLICE_IMPL=ctypes)
+        gil_splice = pipe_mod._make_gil_splice()
+        assert gil_splice is not None
+        monkeypatch.setattr(pipe_mod, "_splice", gil_splice)
+        mode = "splice"
     monkeypatch.setattr(pipe_mod, "MODE", mode)
     calls = collections.Counter()
-    real_splice = os.splice
+    real_splice = pipe_mod._splice
 
-    def counting_splice(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def counting_splice(*args):  # type: ignore[no-untyped-def]
         calls["splice"] += 1
-        return real_splice(*args, **kwargs)
+        return real_splice(*args)
 
-    monkeypatch.setattr(os, "splice", counting_splice)
+    monkeypatch.setattr(pipe_mod, "_splice", counting_splice)
     (echo,) = servers(1, EchoServer)
     app = make_app([echo.endpoint])
     payload = os.urandom(50 * 1024 * 1024)
