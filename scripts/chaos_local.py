@@ -1277,7 +1277,10 @@ def main() -> int:
     def on_term(_s: int, _f: object) -> None:
         raise KeyboardInterrupt
 
+    # Explicit for SIGINT too: a shell that starts us in the background ignores SIGINT,
+    # and Python then installs no KeyboardInterrupt handler of its own.
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
     h = Harness(args)
     rc = 1
     try:
@@ -1395,6 +1398,9 @@ def summary(h: Harness) -> int:
 
 
 def cleanup(h: Harness, keep: bool) -> None:
+    # A second Ctrl-C must not cut the clean-up short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Each step on its own: a failure in one must not leave the others behind.
     if h.load is not None:
         with contextlib.suppress(Exception):
