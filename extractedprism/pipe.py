@@ -207,17 +207,25 @@ class Pipe:
         by_dst = {ufd: up, cfd: down}
         reset = False
         try:
-            while not (up.shut and down.shut):
+            while True:
                 events = poller.poll()
                 if self._closed:
                     break
+                dirty = False
                 for fd, ev in events:
-                    out = by_dst[fd]
-                    if out.waiting and ev & _POLLOUT:
-                        self._drain(out)
-                    inn = by_src[fd]
-                    if inn.reading and ev & _POLLIN:
-                        self._read(inn)
+                    if ev & _POLLOUT:
+                        out = by_dst[fd]
+                        if out.pending or out.tail:
+                            self._drain(out)
+                            dirty = True
+                    if ev & _POLLIN:
+                        inn = by_src[fd]
+                        if not (inn.eof or inn.pending or inn.tail) and self._read(inn):
+                            dirty = True
+                if not dirty:
+                    continue  # the common case: bytes moved, nothing else changed
+                if up.shut and down.shut:
+                    break
                 for fd in (cfd, ufd):
                     want = (_POLLIN if by_src[fd].reading else 0) | (
                         _POLLOUT if by_dst[fd].waiting else 0)
@@ -242,8 +250,12 @@ class Pipe:
         finally:
             self._finish(up, down, reset or self._closed)
 
-    def _read(self, h: _Half) -> None:
-        """Read what src has (until a short read), writing each chunk straight on."""
+    def _read(self, h: _Half) -> bool:
+        """Read what src has (until a short read), writing each chunk straight on.
+
+        Returns True when the direction's state changed (EOF, or dst full), so the
+        caller re-registers interest only then.
+        """
         while True:
             if h.pipe_w >= 0:
                 try:
@@ -257,15 +269,17 @@ class Pipe:
                     h.pipe_r = h.pipe_w = -1
                     continue
                 if n < 0:
-                    return
-                h.pending = n
+                    return False
+                if n:
+                    m = _splice(h.pipe_r, h.dst_fd, n)
+                    h.pending = n - m if m >= 0 else n
                 full = n == CHUNK
             else:
                 buf = _thread_buffer()
                 try:
                     n = h.src.recv_into(buf)
                 except (BlockingIOError, InterruptedError):
-                    return
+                    return False
                 full = n == len(buf)
                 if n:
                     try:
@@ -277,15 +291,15 @@ class Pipe:
             if n == 0:
                 h.eof = True
                 self._pass_eof(h)
-                return
+                return True
             if h.up:
                 self.bytes_up += n
             else:
                 self.bytes_down += n
             if (h.pending and not self._flush(h)) or h.tail:
-                return  # dst is full: wait for POLLOUT
+                return True  # dst is full: wait for POLLOUT
             if not full:
-                return
+                return False
 
     def _drain(self, h: _Half) -> None:
         """dst became writable: flush, then pass EOF on or resume reading."""
