@@ -231,3 +231,26 @@ def test_no_ready_series_in_tcp_mode(make_app, ups):
     app = make_app([u.endpoint for u in ups])
     wait_until(lambda: app.registry.snapshot().upstreams[0].healthy, 5)
     assert "extractedprism_upstream_ready{" not in http(app.health_address, "/metrics")[2].decode()
+
+
+def test_a_hung_upstream_does_not_delay_the_others_checks(app, ups):
+    ups[0].set_ready_hang(True)  # answers TCP, never answers /readyz
+    wait_until(lambda: readiness(app, ups[0].address) == "unready", 5)
+    before = ups[1].hit_count("/readyz")
+    t0 = time.monotonic()
+    time.sleep(10 * INTERVAL)  # observe a window of checks (not a wait for a state)
+    rounds = (ups[1].hit_count("/readyz") - before) / ((time.monotonic() - t0) / INTERVAL)
+    # The healthy upstream keeps its own schedule although up0 eats a full timeout.
+    assert rounds >= 0.7, rounds
+    ups[0].set_ready_hang(False)
+
+
+def test_probe_errors_are_logged_once_per_change(app, ups, caplog):
+    bad = ups[0]
+    bad.set_ready_status(500)
+    wait_until(lambda: readiness(app, bad.address) == "unready", 5)
+    h0 = bad.hit_count("/readyz")
+    wait_until(lambda: bad.hit_count("/readyz") >= h0 + 5, 10)  # five more failing checks
+    lines = [r.getMessage() for r in caplog.records
+             if bad.address in r.getMessage() and "HTTP 500" in r.getMessage()]
+    assert 1 <= len(lines) <= 2, lines  # the change, not every interval
