@@ -1,0 +1,242 @@
+"""Registry state machine with an injected clock: streaks, readiness, deadlines, metrics."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from extractedprism.endpoints import Endpoint
+from extractedprism.metrics import Metrics
+from extractedprism.probes import ProbeResult
+from extractedprism.registry import Registry
+
+A, B, C = "10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"
+EPS = [Endpoint("10.0.0.1", 6443), Endpoint("10.0.0.2", 6443), Endpoint("10.0.0.3", 6443)]
+OK = ProbeResult(True, 0.001, "")
+DOWN = ProbeResult(False, None, "connection refused")
+
+
+def ready(flag: bool) -> ProbeResult:
+    return ProbeResult(True, 0.001, "", ready=flag, ready_reason="" if flag else "HTTP 500")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Conn:
+    def __init__(self, name: str) -> None:
+        self.client = name
+        self.started = 0.0
+        self.bytes_up = self.bytes_down = 0
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def make(readyz: bool = False, drain: float = 30.0, selection: str = "random"
+         ) -> tuple[Registry, Clock, Metrics, list[str]]:
+    clock, metrics, probes = Clock(), Metrics(), []
+    reg = Registry(metrics=metrics, readyz=readyz, drain_timeout=drain, clock=clock,
+                   selection=selection, rng=random.Random(1), probe_now=probes.append)
+    metrics.attach_state(reg.snapshot)
+    reg.set_endpoints(EPS)
+    return reg, clock, metrics, probes
+
+
+def test_two_failures_exclude_one_success_restores():
+    reg, *_ = make()
+    reg.record_probe(A, DOWN)
+    assert reg.snapshot().get(A).healthy  # one failure is not enough
+    reg.record_dial(A, False, "refused")  # a dial failure counts toward the same streak
+    assert not reg.snapshot().get(A).healthy
+    assert all(reg.pick() != EPS[0] for _ in range(50))
+    reg.record_dial(A, True)  # one success (a dial here) re-includes it
+    assert reg.snapshot().get(A).healthy
+
+
+def test_success_resets_the_streak():
+    reg, *_ = make()
+    reg.record_probe(A, DOWN)
+    reg.record_probe(A, OK)
+    reg.record_probe(A, DOWN)
+    assert reg.snapshot().get(A).healthy
+
+
+def test_new_upstream_is_pickable_before_its_first_check():
+    reg, *_ = make()
+    assert {reg.pick() for _ in range(100)} == set(EPS)
+
+
+def test_drain_deadline_and_removal_with_clock():
+    reg, clock, metrics, _ = make(drain=30)
+    c = Conn("c1")
+    assert reg.pick(exclude=[B, C]) == EPS[0]
+    assert reg.attach(A, c)
+    reg.record_dial(A, False, "x")  # a counter series for A exists
+    reg.set_endpoints(EPS[1:])
+    assert reg.snapshot().get(A).draining
+    clock.now += 29.9
+    assert reg.tick() == pytest.approx(1030.0)
+    assert not c.closed
+    clock.now += 0.2
+    reg.tick()
+    assert c.closed and reg.snapshot().get(A) is None
+    assert metrics.sample("extractedprism_connection_errors_total", {"upstream": A}) is None
+    reg.record_dial(A, False, "late")  # not counted until added again
+    assert metrics.sample("extractedprism_connection_errors_total", {"upstream": A}) is None
+
+
+def test_draining_upstream_ignores_health_checks_and_holds_status():
+    reg, *_ = make()
+    reg.attach(A, Conn("c"))
+    reg.set_endpoints(EPS[1:])
+    reg.record_probe(A, DOWN)
+    reg.record_probe(A, DOWN)
+    assert reg.snapshot().get(A).healthy  # checks stop while draining: the value holds
+
+
+def test_readd_aborts_drain_and_keeps_connections():
+    reg, clock, *_ = make(drain=5)
+    c = Conn("c")
+    reg.attach(A, c)
+    reg.set_endpoints(EPS[1:])
+    reg.set_endpoints(EPS)
+    clock.now += 60
+    reg.tick()
+    assert not c.closed and not reg.snapshot().get(A).draining
+
+
+def test_attach_refused_while_draining():
+    reg, *_ = make()
+    reg.attach(A, Conn("keeps-it-draining"))
+    reg.set_endpoints(EPS[1:])
+    assert not reg.attach(A, Conn("late"))
+
+
+def test_panic_flag_and_order():
+    reg, clock, metrics, _ = make()
+    for addr in (A, B, C):
+        clock.now += 1
+        reg.record_probe(addr, OK)
+    for addr in (A, B, C):
+        reg.record_probe(addr, DOWN)
+        reg.record_probe(addr, DOWN)
+    assert reg.pick() is None
+    assert reg.snapshot().panic
+    assert metrics.sample("extractedprism_panic") == 1
+    assert [str(e) for e in reg.panic_order()] == [C, B, A]  # most recent success first
+
+
+def test_readiness_two_failures_then_one_success():
+    reg, *_ = make(readyz=True)
+    for addr in (A, B, C):
+        reg.record_probe(addr, ready(True))
+    reg.record_probe(A, ready(False))
+    assert reg.snapshot().get(A).readiness == "ready"
+    reg.record_probe(A, ready(False))
+    assert reg.snapshot().get(A).readiness == "unready"
+    assert all(reg.pick() != EPS[0] for _ in range(50))
+    reg.record_probe(A, ready(True))
+    assert reg.snapshot().get(A).readiness == "ready"
+
+
+def test_new_upstream_pending_and_first_failure_settles():
+    reg, *_ = make(readyz=True)
+    assert reg.snapshot().get(A).readiness == "pending"
+    reg.record_probe(B, ready(True))
+    assert {reg.pick() for _ in range(50)} == {EPS[1]}  # ready ones only
+    reg.record_probe(A, ready(False))
+    assert reg.snapshot().get(A).readiness == "unready"
+
+
+def test_fallback_to_tcp_healthy_when_none_ready():
+    reg, *_ = make(readyz=True)
+    for addr in (A, B, C):
+        reg.record_probe(addr, ready(False))
+    assert {reg.pick() for _ in range(100)} == set(EPS)
+
+
+def test_reachable_again_after_tcp_failure_is_pending_and_probed_at_once():
+    reg, _, _, probes = make(readyz=True)
+    for addr in (A, B, C):
+        reg.record_probe(addr, ready(True))
+    reg.record_dial(A, False, "refused")
+    reg.record_dial(A, True)
+    assert reg.snapshot().get(A).readiness == "pending"
+    assert probes == [A]
+    reg.record_probe(A, ready(False))  # the first probe after the reset decides alone
+    assert reg.snapshot().get(A).readiness == "unready"
+
+
+def test_unready_connections_closed_after_drain_timeout_and_called_off():
+    reg, clock, *_ = make(readyz=True, drain=10)
+    for addr in (A, B, C):
+        reg.record_probe(addr, ready(True))
+    c = Conn("c")
+    reg.attach(A, c)
+    reg.record_probe(A, ready(False))
+    reg.record_probe(A, ready(False))
+    clock.now += 9
+    reg.tick()
+    assert not c.closed
+    reg.record_probe(A, ready(True))  # ready again: called off
+    clock.now += 5
+    reg.tick()
+    assert not c.closed
+    reg.record_probe(A, ready(False))
+    reg.record_probe(A, ready(False))
+    clock.now += 10.1
+    reg.tick()
+    assert c.closed
+
+
+def test_unready_close_called_off_when_no_other_is_ready():
+    reg, clock, *_ = make(readyz=True, drain=10)
+    for addr in (A, B, C):
+        reg.record_probe(addr, ready(True))
+    c = Conn("c")
+    reg.attach(A, c)
+    for addr in (A, B, C):
+        reg.record_probe(addr, ready(False))
+        reg.record_probe(addr, ready(False))
+    clock.now += 20
+    reg.tick()
+    assert not c.closed  # with no upstream ready, connections stay
+
+
+def test_zero_drain_closes_unready_at_once():
+    reg, *_ = make(readyz=True, drain=0)
+    for addr in (A, B, C):
+        reg.record_probe(addr, ready(True))
+    c = Conn("c")
+    reg.attach(A, c)
+    reg.record_probe(A, ready(False))
+    reg.record_probe(A, ready(False))
+    assert c.closed
+
+
+def test_least_conn_counts_dials_in_flight():
+    reg, *_ = make(selection="least-conn")
+    picks = [str(reg.pick()) for _ in range(3)]  # none attached yet
+    assert sorted(picks) == [A, B, C]
+    reg.abandon(A)
+    assert str(reg.pick()) == A
+
+
+def test_latency_tiers_from_probes():
+    reg, *_ = make(selection="latency")
+    reg.record_probe(A, ProbeResult(True, 0.001, ""))
+    reg.record_probe(B, ProbeResult(True, 0.0015, ""))
+    reg.record_probe(C, ProbeResult(True, 0.050, ""))
+    snap = reg.snapshot()
+    assert (snap.get(A).tier, snap.get(B).tier, snap.get(C).tier) == (0, 0, 1)
+    assert {reg.pick() for _ in range(100)} == {EPS[0], EPS[1]}
+    reg.record_probe(C, DOWN)  # failed checks feed no sample
+    assert reg.snapshot().get(C).rtt_seconds == pytest.approx(0.050)
