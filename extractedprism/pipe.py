@@ -271,8 +271,13 @@ class Pipe:
                 if n < 0:
                     return False
                 if n:
+                    # Counted as pending before the write: if the write raises, _finish
+                    # must know the thread's pipe still holds bytes (or the next
+                    # connection on this thread would receive them).
+                    h.pending = n
                     m = _splice(h.pipe_r, h.dst_fd, n)
-                    h.pending = n - m if m >= 0 else n
+                    if m > 0:
+                        h.pending -= m
                 full = n == CHUNK
             else:
                 buf = _thread_buffer()
