@@ -307,6 +307,13 @@ class Registry:
             up.healthy = False
             log.warning("upstream healthy->unhealthy upstream=%s reason=%r", addr,
                         f"{source}: {reason}")
+            if self._readyz and up.readiness is Readiness.READY:
+                # It failed its probes at the TCP level: a partitioned or frozen API
+                # server must lose its long-lived connections like an unready one,
+                # instead of holding them until keepalive gives up.
+                up.readiness = Readiness.UNREADY
+                log.info("upstream ready->unready upstream=%s reason=%r", addr,
+                         f"TCP {source} failed")
             return True
         return False
 

@@ -240,3 +240,20 @@ def test_latency_tiers_from_probes():
     assert {reg.pick() for _ in range(100)} == {EPS[0], EPS[1]}
     reg.record_probe(C, DOWN)  # failed checks feed no sample
     assert reg.snapshot().get(C).rtt_seconds == pytest.approx(0.050)
+
+
+def test_tcp_unhealthy_upstream_loses_connections_in_readyz_mode():
+    reg, clock, *_ = make(readyz=True, drain=10)
+    for addr in (A, B, C):
+        reg.record_probe(addr, ready(True))
+    c = Conn("c")
+    reg.attach(A, c)
+    reg.record_probe(A, DOWN)
+    reg.record_probe(A, DOWN)  # partitioned: the probe cannot even connect
+    assert reg.snapshot().get(A).readiness == "unready"
+    clock.now += 10.1
+    reg.tick()
+    assert c.closed
+    reg.record_probe(A, ready(True))  # back and ready: one probe restores both
+    snap = reg.snapshot().get(A)
+    assert snap.healthy and snap.readiness == "ready"
