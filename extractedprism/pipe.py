@@ -21,7 +21,6 @@ both sockets down, which wakes the poll; only the pipe thread closes file descri
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -30,14 +29,14 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+
+from extractedprism import gilcall
 
 log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
 BUFFER_SIZE = 32 * 1024  # buffer path only; its pages count against RSS per thread
 HAVE_SPLICE = hasattr(os, "splice") and hasattr(os, "pipe2")
-_SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 0) | getattr(os, "SPLICE_F_NONBLOCK", 0)
 # Pipe mode chosen by the operator for debugging ("splice" | "buffer").
 MODE = os.environ.get("EP_PIPE_MODE", "splice" if HAVE_SPLICE else "buffer")
 
@@ -50,49 +49,18 @@ _LINGER_RST = struct.pack("ii", 1, 0)
 _local = threading.local()
 
 
-def _os_splice(src: int, dst: int, count: int) -> int:
-    """Non-blocking splice; -1 when it would block."""
-    try:
-        return os.splice(src, dst, count, flags=_SPLICE_FLAGS)
-    except BlockingIOError:
-        return -1
-
-
-def _make_gil_splice() -> Callable[[int, int, int], int] | None:
-    """splice(2) called through ctypes.PyDLL, which keeps the GIL for the call.
-
-    Every os.splice releases and re-takes the GIL. With dozens of busy pipe threads that
-    is a hand-off (and often a context switch) per syscall, several per request. The
-    fds are non-blocking and SPLICE_F_NONBLOCK is set, so the call returns in
-    microseconds and holding the GIL across it is cheaper than passing it around; the
-    only call that blocks, poll(), still releases it.
-    """
-    try:
-        libc = ctypes.PyDLL(None, use_errno=True)
-        fn = libc.splice
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_size_t, ctypes.c_uint]
-    fn.restype = ctypes.c_ssize_t
-    flags = _SPLICE_FLAGS
-    get_errno = ctypes.get_errno
-
-    def gil_splice(src: int, dst: int, count: int) -> int:
-        n = fn(src, None, dst, None, count, flags)
-        if n >= 0:
-            return n
-        err = get_errno()
-        if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-            return -1
-        raise OSError(err, os.strerror(err))
-
-    return gil_splice
-
-
-_splice: Callable[[int, int, int], int] = _os_splice
-if HAVE_SPLICE and os.environ.get("EP_SPLICE_IMPL", "os") == "ctypes":
-    _splice = _make_gil_splice() or _os_splice
+# The hot-path syscalls. EP_SYSCALLS=gil uses GIL-holding libc calls (see gilcall);
+# the default is the stdlib's, which release the GIL around each call.
+if os.environ.get("EP_SYSCALLS", "std") == "gil" and gilcall.AVAILABLE:
+    _splice = gilcall.splice
+    _shutdown_write = gilcall.shutdown_write
+    _close = gilcall.close
+    _set_nonblocking = gilcall.set_nonblocking
+else:
+    _splice = gilcall.os_splice
+    _shutdown_write = gilcall.std_shutdown_write
+    _close = gilcall.std_close
+    _set_nonblocking = gilcall.std_set_nonblocking
 
 
 def _thread_buffer() -> bytearray:
@@ -191,8 +159,8 @@ class Pipe:
         because with many busy pipe threads every extra syscall is another GIL hand-off.
         """
         c, u = self.client_sock, self.upstream_sock
-        c.setblocking(False)
-        u.setblocking(False)
+        _set_nonblocking(c)
+        _set_nonblocking(u)
         up, down = _Half(c, u, True), _Half(u, c, False)
         if self._mode == "splice":
             pipes = _thread_pipes()
@@ -336,7 +304,7 @@ class Pipe:
         if h.waiting or h.shut:
             return  # after the flush
         try:
-            h.dst.shutdown(socket.SHUT_WR)
+            _shutdown_write(h.dst)
         except OSError as exc:
             if exc.errno != errno.ENOTCONN:
                 raise
@@ -353,5 +321,5 @@ class Pipe:
         if up.pending or down.pending:
             # Bytes left in the thread's kernel pipes would leak into the next connection.
             _drop_thread_pipes()
-        self.client_sock.close()
-        self.upstream_sock.close()
+        _close(self.client_sock)
+        _close(self.upstream_sock)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from extractedprism import gilcall
 from extractedprism import pipe as pipe_mod
 from extractedprism.endpoints import Endpoint
 from extractedprism.sockopts import USER_TIMEOUT_MS
@@ -50,13 +51,15 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-@pytest.mark.parametrize("mode", ["splice", "splice-ctypes", "buffer"])
+@pytest.mark.parametrize("mode", ["splice", "splice-gil", "buffer", "buffer-gil"])
 def test_large_payload_both_ways_intact(make_app, servers, monkeypatch, mode):
-    if mode == "splice-ctypes":  # the GIL-holding ctypes splice (EP_SPLICE_IMPL=ctypes)
-        gil_splice = pipe_mod._make_gil_splice()
-        assert gil_splice is not None
-        monkeypatch.setattr(pipe_mod, "_splice", gil_splice)
-        mode = "splice"
+    if mode.endswith("-gil"):  # the GIL-holding libc calls (EP_SYSCALLS=gil)
+        assert gilcall.AVAILABLE
+        monkeypatch.setattr(pipe_mod, "_splice", gilcall.splice)
+        monkeypatch.setattr(pipe_mod, "_shutdown_write", gilcall.shutdown_write)
+        monkeypatch.setattr(pipe_mod, "_close", gilcall.close)
+        monkeypatch.setattr(pipe_mod, "_set_nonblocking", gilcall.set_nonblocking)
+        mode = mode.removesuffix("-gil")
     monkeypatch.setattr(pipe_mod, "MODE", mode)
     calls = collections.Counter()
     real_splice = pipe_mod._splice
@@ -85,6 +88,7 @@ def test_large_payload_both_ways_intact(make_app, servers, monkeypatch, mode):
     assert hashlib.sha256(got).digest() == hashlib.sha256(payload).digest()
     # The path under test really carried the bytes.
     assert (calls["splice"] > 100) if mode == "splice" else (calls["splice"] == 0)
+    wait_until(lambda: app.registry.connection_count() == 0, 5)
 
 
 @pytest.mark.parametrize("mode", ["splice", "buffer"])
