@@ -88,6 +88,19 @@ def _thread_pipes() -> list[tuple[int, int]] | None:
     return pipes
 
 
+def prepare_thread() -> None:
+    """Give a new pipe thread its kernel pipes up front, so the process's fd count is a
+    plain function of the pool size (4 per pipe thread) instead of creeping up as idle
+    threads get their first connection."""
+    if MODE == "splice":
+        _thread_pipes()
+
+
+def release_thread_resources() -> None:
+    """Close this thread's kernel pipes (a pipe thread calls it when it exits)."""
+    _drop_thread_pipes()
+
+
 def _drop_thread_pipes() -> None:
     pipes = getattr(_local, "pipes", None)
     if pipes:

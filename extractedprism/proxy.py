@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from extractedprism.endpoints import Endpoint, is_ip
-from extractedprism.pipe import Pipe
+from extractedprism.pipe import Pipe, prepare_thread, release_thread_resources
 from extractedprism.registry import Registry
 from extractedprism.sockopts import apply_sockopts, describe_error, dial
 
@@ -221,9 +221,11 @@ class Proxy:
     def _worker_loop(self) -> None:
         me = threading.current_thread()
         idle_name = me.name
+        prepare_thread()
         while True:
             item = self._queue.get()
             if item is None:
+                release_thread_resources()
                 return
             sock, client = item
             try:

@@ -286,8 +286,11 @@ def test_no_thread_or_fd_growth_after_1000_short_connections(make_app, servers):
     for _ in range(1000):
         whoami(app)
     wait_until(lambda: app.registry.connection_count() == 0, 5)
-    wait_until(lambda: threading.active_count() <= threads0 + 2, 5)
-    wait_until(lambda: fds() <= fds0 + 4, 5, message=f"fds back to {fds0}")
+    # The pool may grow by a thread or two when a client reconnects before the previous
+    # pipe thread marked itself idle; each pool thread keeps two kernel pipes (4 fds).
+    grown = threading.active_count() - threads0
+    assert grown <= 2
+    wait_until(lambda: fds() <= fds0 + 4 * grown + 2, 5, message=f"fds back to {fds0}")
 
 
 def test_ipv6_listener_and_upstream(make_app):
@@ -310,3 +313,18 @@ def test_hostname_endpoint(make_app, servers):
     app = make_app([Endpoint("localhost", up.endpoint.port)])
     wait_until(lambda: app.registry.snapshot().get(f"localhost:{up.endpoint.port}").healthy, 5)
     assert whoami(app) == "up0"
+
+
+def test_stopped_app_releases_every_fd(servers):
+    from extractedprism.app import App
+    from tests.conftest import fast_config
+
+    ups = servers(2)
+    before = len(os.listdir("/proc/self/fd"))
+    app = App(fast_config([u.endpoint for u in ups]))
+    app.start()
+    for _ in range(50):
+        whoami(app)
+    app.stop()
+    # Listener, health server, sockets and every pipe thread's kernel pipes are closed.
+    wait_until(lambda: len(os.listdir("/proc/self/fd")) <= before, 5)
