@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,6 +296,28 @@ class Load:
                     tls.close()
             self._pause(0.02)
 
+    @contextlib.contextmanager
+    def _long_lived(self, a: Attempt) -> Iterator[list[ssl.SSLSocket]]:
+        """End-of-attempt bookkeeping shared by the watch and echo-stream clients: an
+        error before the stream was established is a failed connection, after it a
+        reason the stream ended; the sockets appended to the list are closed."""
+        opened: list[ssl.SSLSocket] = []
+        try:
+            yield opened
+        except Stopped:
+            a.end_reason = a.end_reason or "stopped"
+            if not a.established:
+                a.error = "stopped"
+        except (OSError, EOFError, ValueError) as exc:
+            if a.established:
+                a.end_reason = describe(exc)
+            else:
+                a.error = describe(exc)
+        finally:
+            a.end = mono()
+            for tls in opened:
+                tls.close()
+
     # -- long-lived: watch streams ----------------------------------------------------
 
     def _watch_loop(self, cid: str) -> None:
@@ -304,9 +326,9 @@ class Load:
                 return
             a = Attempt("watch", cid, mono())
             self.rec.add(a)
-            tls = None
-            try:
+            with self._long_lived(a) as opened:
                 tls, rd = self._open(a)
+                opened.append(tls)
                 tls.sendall(b"GET /watch HTTP/1.1\r\nHost: " + SERVER_NAME.encode()
                             + b"\r\n\r\n")
                 status, headers = rd.head(mono() + CLIENT_TIMEOUT)
@@ -339,19 +361,6 @@ class Load:
                     self.rec.add_bytes(size)
                 else:
                     a.end_reason = a.end_reason or "stopped"
-            except Stopped:
-                a.end_reason = a.end_reason or "stopped"
-                if not a.established:
-                    a.error = "stopped"
-            except (OSError, EOFError, ValueError) as exc:
-                if a.established:
-                    a.end_reason = describe(exc)
-                else:
-                    a.error = describe(exc)
-            finally:
-                a.end = mono()
-                if tls is not None:
-                    tls.close()
             self._pause(0.05)  # a client's reconnect delay
 
     # -- long-lived: keep-alive echo connections --------------------------------------
@@ -363,9 +372,9 @@ class Load:
                 return
             a = Attempt("stream", cid, mono())
             self.rec.add(a)
-            tls = None
-            try:
+            with self._long_lived(a) as opened:
                 tls, rd = self._open(a)
+                opened.append(tls)
                 gen = self.generation
                 for _ in range(MAX_ATTEMPTS_PER_CLIENT):
                     if not self.running():
@@ -393,19 +402,6 @@ class Load:
                     a.nbytes += len(payload)
                     self.rec.add_bytes(len(payload))
                     self._pause(0.1)
-            except Stopped:
-                a.end_reason = a.end_reason or "stopped"
-                if not a.established:
-                    a.error = "stopped"
-            except (OSError, EOFError, ValueError) as exc:
-                if a.established:
-                    a.end_reason = describe(exc)
-                else:
-                    a.error = describe(exc)
-            finally:
-                a.end = mono()
-                if tls is not None:
-                    tls.close()
             self._pause(0.05)
 
 
