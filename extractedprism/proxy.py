@@ -281,7 +281,8 @@ class Proxy:
                 reg.detach(addr, pipe)
             return
 
-    def _dial(self, ep: Endpoint, timeout: float) -> socket.socket | None:
+    def _dial(self, ep: Endpoint, timeout: float, *, panic: bool = False
+              ) -> socket.socket | None:
         addr = str(ep)
         try:
             sock = dial(ep, timeout)
@@ -292,7 +293,10 @@ class Proxy:
                 log.warning("dial failed locally upstream=%s reason=%r", addr, reason)
                 return None
             shutting_down = self._stopping.is_set()
-            self._registry.record_dial(addr, False, reason, count_error=not shutting_down)
+            # The spec counts no errors "when no upstream was available": panic-mode
+            # attempts are exactly that case, and shutdown failures are not counted.
+            self._registry.record_dial(addr, False, reason,
+                                       count_error=not (shutting_down or panic))
             log.info("dial failed upstream=%s reason=%r", addr, reason)
             return None
         self._registry.record_dial(addr, True)
@@ -307,7 +311,7 @@ class Proxy:
                 break
             addr = str(ep)
             tried.add(addr)
-            sock = self._dial(ep, remaining)
+            sock = self._dial(ep, remaining, panic=True)
             if sock is not None:
                 return sock, addr
         return None, None

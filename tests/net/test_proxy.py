@@ -217,6 +217,8 @@ def test_socket_options_on_both_sides(make_app, servers):
         for sock in (pipes[0].client_sock, pipes[0].upstream_sock):
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 15  # Go's
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 9  # defaults
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == USER_TIMEOUT_MS
 
@@ -262,9 +264,14 @@ def test_readyz_503_when_all_upstreams_down_and_panic_mode(make_app, servers):
         u.close_listener()
     wait_until(lambda: app.metrics.sample("extractedprism_panic") == 1, 5)
     assert http(app.health_address, "/readyz")[0] == 503
+    errors = sum(app.metrics.sample("extractedprism_connection_errors_total",
+                                    {"upstream": u.address}) or 0 for u in ups)
     # Panic mode: all down -> client closed.
     with connect(app) as s:
         assert s.recv(10) == b""
+    # Attempts made while no upstream was available are not connection errors.
+    assert sum(app.metrics.sample("extractedprism_connection_errors_total",
+                                  {"upstream": u.address}) or 0 for u in ups) == errors
     # One comes back but is still marked unhealthy: panic mode still reaches it.
     ups[1].start()
     with connect(app) as s:
