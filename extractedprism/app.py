@@ -16,15 +16,20 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from extractedprism.config import Config
 from extractedprism.endpoints import Endpoint
+from extractedprism.httpd import HealthServer
 from extractedprism.merge import Merger
 from extractedprism.metrics import Metrics
 from extractedprism.probes import ProbeResult, ReadyzSettings, probe
 from extractedprism.proxy import Proxy
 from extractedprism.registry import Registry
 from extractedprism.ticker import Ticker
+
+if TYPE_CHECKING:
+    from extractedprism.watch import KubernetesProvider
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +122,10 @@ class App:
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections)
         self.merger = Merger(self.registry.set_endpoints, self.metrics)
-        self.discovery = None
+        self.discovery: KubernetesProvider | None = None
         self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
                                    threshold=config.liveness_threshold, stop=self.stop_event)
-        self.health = None  # created in start(), after the proxy port is bound
+        self.health: HealthServer | None = None  # made in start(), after the proxy binds
         self._started = False
 
     # -- addresses -------------------------------------------------------------------
@@ -137,8 +142,6 @@ class App:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        from extractedprism.httpd import HealthServer
-
         cfg = self.config
         self.proxy.bind()
         try:
@@ -164,6 +167,8 @@ class App:
                  cfg.health_check, cfg.enable_discovery)
 
     def _start_discovery(self) -> None:
+        # Imported here: the kubernetes client takes ~0.5 s to import, which static-only
+        # runs (and every in-process test) need not pay.
         from extractedprism.watch import KubernetesProvider
 
         provider = "kubernetes"
