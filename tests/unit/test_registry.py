@@ -21,6 +21,11 @@ def ready(flag: bool) -> ProbeResult:
     return ProbeResult(True, 0.001, "", ready=flag, ready_reason="" if flag else "HTTP 500")
 
 
+def all_ready(reg: Registry) -> None:
+    for addr in (A, B, C):
+        reg.record_probe(addr, ready(True))
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -136,8 +141,7 @@ def test_panic_flag_and_order():
 
 def test_readiness_two_failures_then_one_success():
     reg, *_ = make(readyz=True)
-    for addr in (A, B, C):
-        reg.record_probe(addr, ready(True))
+    all_ready(reg)
     reg.record_probe(A, ready(False))
     assert reg.snapshot().get(A).readiness == "ready"
     reg.record_probe(A, ready(False))
@@ -165,8 +169,7 @@ def test_fallback_to_tcp_healthy_when_none_ready():
 
 def test_reachable_again_after_tcp_failure_is_pending_and_probed_at_once():
     reg, _, _, probes = make(readyz=True)
-    for addr in (A, B, C):
-        reg.record_probe(addr, ready(True))
+    all_ready(reg)
     reg.record_dial(A, False, "refused")
     reg.record_dial(A, True)
     assert reg.snapshot().get(A).readiness == "pending"
@@ -177,8 +180,7 @@ def test_reachable_again_after_tcp_failure_is_pending_and_probed_at_once():
 
 def test_unready_connections_closed_after_drain_timeout_and_called_off():
     reg, clock, *_ = make(readyz=True, drain=10)
-    for addr in (A, B, C):
-        reg.record_probe(addr, ready(True))
+    all_ready(reg)
     c = Conn("c")
     reg.attach(A, c)
     reg.record_probe(A, ready(False))
@@ -199,8 +201,7 @@ def test_unready_connections_closed_after_drain_timeout_and_called_off():
 
 def test_unready_close_called_off_when_no_other_is_ready():
     reg, clock, *_ = make(readyz=True, drain=10)
-    for addr in (A, B, C):
-        reg.record_probe(addr, ready(True))
+    all_ready(reg)
     c = Conn("c")
     reg.attach(A, c)
     for addr in (A, B, C):
@@ -213,8 +214,7 @@ def test_unready_close_called_off_when_no_other_is_ready():
 
 def test_zero_drain_closes_unready_at_once():
     reg, *_ = make(readyz=True, drain=0)
-    for addr in (A, B, C):
-        reg.record_probe(addr, ready(True))
+    all_ready(reg)
     c = Conn("c")
     reg.attach(A, c)
     reg.record_probe(A, ready(False))
@@ -244,8 +244,7 @@ def test_latency_tiers_from_probes():
 
 def test_tcp_unhealthy_upstream_loses_connections_in_readyz_mode():
     reg, clock, *_ = make(readyz=True, drain=10)
-    for addr in (A, B, C):
-        reg.record_probe(addr, ready(True))
+    all_ready(reg)
     c = Conn("c")
     reg.attach(A, c)
     reg.record_probe(A, DOWN)
