@@ -39,6 +39,7 @@ from extractedprism.sockopts import apply_sockopts, describe_error, dial
 log = logging.getLogger(__name__)
 
 PRESTART_THREADS = 16
+PIPE_IDLE_EXIT_S = 60.0  # pipe threads beyond PRESTART_THREADS idle this long exit
 PIPE_THREAD_STACK = 256 * 1024  # copy loops are shallow; the default 8 MiB is address space
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -87,6 +88,8 @@ class Proxy:
         self._acceptor: threading.Thread | None = None
         self._seq = 0
         self._on_accept_loop = on_accept_loop
+        self._prestart = min(PRESTART_THREADS, max_connections)
+        self.idle_exit_s = PIPE_IDLE_EXIT_S
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -104,7 +107,7 @@ class Proxy:
             self.bind()
         old = threading.stack_size(PIPE_THREAD_STACK)
         try:
-            for _ in range(min(PRESTART_THREADS, self._max)):
+            for _ in range(self._prestart):
                 self._spawn_worker()
         finally:
             threading.stack_size(old)
@@ -223,7 +226,13 @@ class Proxy:
         idle_name = me.name
         prepare_thread()
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self.idle_exit_s)
+            except queue.Empty:
+                if self._retire(me):
+                    release_thread_resources()
+                    return
+                continue
             if item is None:
                 release_thread_resources()
                 return
@@ -238,6 +247,20 @@ class Proxy:
                 self._slots.release()
                 with self._pool_lock:
                     self._idle += 1
+
+    def _retire(self, me: threading.Thread) -> bool:
+        """After a burst, idle threads beyond the pre-started ones leave the pool, so the
+        threads and fds a burst created are given back.
+
+        ``_idle`` counts parked threads minus sockets queued for them; a thread may leave
+        only while that is at least one, so a queued socket always has a thread left.
+        """
+        with self._pool_lock:
+            if self._idle < 1 or len(self._workers) <= self._prestart:
+                return False
+            self._idle -= 1
+            self._workers.remove(me)
+        return True
 
     def _serve(self, client_sock: socket.socket, client: str, me: threading.Thread) -> None:
         if self._stopping.is_set():

@@ -184,3 +184,31 @@ def test_max_connections_backpressure(make_app, servers):
     assert "extractedprism_connections_max 2.0" in text
     for s in (b, c):
         s.close()
+
+
+def test_pool_shrinks_back_after_a_burst(make_app, servers):
+    import os as _os
+
+    from extractedprism.proxy import PRESTART_THREADS
+
+    ups = servers(1)
+    app = make_app([u.endpoint for u in ups])
+    app.proxy.idle_exit_s = 0.3
+
+    def pipe_threads() -> int:
+        return sum(1 for t in threading.enumerate() if t.name.startswith("pipe-"))
+
+    def fds() -> int:
+        return len(_os.listdir("/proc/self/fd"))
+
+    fds0 = fds()
+    burst = [connect(app) for _ in range(40)]
+    for s in burst:
+        assert read_line(s) == "up0"
+    assert pipe_threads() >= 40
+    for s in burst:
+        s.close()
+    # The extra threads retire and give their kernel pipes back; the pool stays usable.
+    wait_until(lambda: pipe_threads() == PRESTART_THREADS, 10)
+    wait_until(lambda: fds() <= fds0, 5)
+    assert whoami(app) == "up0"
