@@ -338,7 +338,8 @@ def _convert(flag: Flag, value: str) -> object:
     if flag.kind == "bool":
         return parse_bool(value)
     if flag.kind == "choice":
-        text = value.strip().lower()
+        # Exact, as the spec lists them: "DEBUG" or " info" are typos worth reporting.
+        text = value
         if text not in flag.choices:
             raise ValueError(f"must be one of {', '.join(flag.choices)}")
         return text

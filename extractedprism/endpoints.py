@@ -73,11 +73,12 @@ def parse_endpoint(text: str) -> Endpoint:
         close = raw.find("]")
         if close == -1 or not raw[close + 1 :].startswith(":"):
             raise ValueError(f"{raw!r} is not host:port (expected [ipv6]:port)")
+        # Brackets are how IPv6 is written, but like Go's SplitHostPort any host may
+        # be bracketed; it must still be an IP address or an RFC 1123 hostname.
         host, port_text = raw[1:close], raw[close + 2 :]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(f"{raw!r}: {host!r} is not an IPv6 address") from None
+        if not is_valid_host(host):
+            raise ValueError(f"{raw!r}: host {host!r} is not an IP address or RFC 1123 "
+                             "hostname")
     else:
         host, sep, port_text = raw.rpartition(":")
         if not sep or not host:

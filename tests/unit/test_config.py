@@ -98,6 +98,10 @@ def test_booleans(text, value):
     ("health_timeout", "999ms", "--health-timeout (999ms) must be at least 1s"),
     ("health_timeout", "20s", "--health-timeout (20s) must be less than --health-interval (20s)"),
     ("log_level", "verbose", "--log-level (verbose) is invalid: must be one of debug"),
+    ("log_level", "DEBUG", "--log-level (DEBUG) is invalid: must be one of debug"),
+    ("log_level", " info", "--log-level ( info) is invalid"),
+    ("upstream_selection", "Random", "--upstream-selection (Random) is invalid"),
+    ("endpoints", "[not_valid]:6443", "is not an IP address or RFC 1123 hostname"),
     ("liveness_interval", "0s", "--liveness-interval (0s) must be at least 1s"),
     ("liveness_threshold", "900ms", "--liveness-threshold (900ms) must be at least 1s"),
     ("liveness_threshold", "5s",
@@ -138,3 +142,5 @@ def test_valid_edge_values():
 def test_endpoint_round_trip():
     for text in ("10.0.0.1:6443", "[::1]:7445", "api.example.com:443"):
         assert str(parse_endpoint(text)) == text
+    # Any host may be bracketed (as Go's SplitHostPort allows); it prints canonically.
+    assert str(parse_endpoint("[127.0.0.1]:6443")) == "127.0.0.1:6443"
