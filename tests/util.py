@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -71,3 +72,14 @@ def http(address: tuple[str, int], path: str, method: str = "GET",
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
     finally:
         conn.close()
+
+
+class FixedRandom(random.Random):
+    """A random source whose random() always returns ``value`` (exact jitter in tests)."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__(0)
+        self.value = value
+
+    def random(self) -> float:
+        return self.value

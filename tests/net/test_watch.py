@@ -7,7 +7,6 @@ decides on is checked exactly; one test checks the real 1 s first backoff and it
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -22,21 +21,12 @@ from extractedprism.kube import ClientConfigError, proxy_url
 from extractedprism.metrics import Metrics
 from extractedprism.watch import KubernetesProvider
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
-from tests.util import wait_until
+from tests.util import FixedRandom, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 ERRORS = "extractedprism_discovery_errors_total"
 J = 0.5  # FixedRandom value: every delay is base * 1.125
-
-
-class FixedRandom(random.Random):
-    def __init__(self, value: float) -> None:
-        super().__init__(0)
-        self.value = value
-
-    def random(self) -> float:
-        return self.value
 
 
 class FakeClock:

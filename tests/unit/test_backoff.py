@@ -9,17 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extractedprism.backoff import Backoff
+from tests.util import FixedRandom
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class FixedRandom(random.Random):
-    def __init__(self, value: float) -> None:
-        super().__init__(0)
-        self.value = value
-
-    def random(self) -> float:
-        return self.value
 
 
 def test_sequence_without_jitter_doubles_to_cap() -> None:
