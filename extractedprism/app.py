@@ -120,7 +120,8 @@ class App:
         self.registry.set_probe_now(self.ticker.probe_now)
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
-                           max_connections=config.max_connections)
+                           max_connections=config.max_connections,
+                           pipe_sched=config.pipe_sched)
         self.merger = Merger(self.registry.set_endpoints, self.metrics)
         self.discovery: KubernetesProvider | None = None
         self.heartbeat = Heartbeat(self, interval=config.liveness_interval,

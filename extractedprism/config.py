@@ -18,6 +18,7 @@ from extractedprism.endpoints import Endpoint, is_valid_host, parse_endpoint_lis
 LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
 SELECTION_MODES = ("random", "latency", "least-conn")
 HEALTH_CHECKS = ("tcp", "readyz")
+PIPE_SCHED_POLICIES = ("batch", "normal")
 
 
 class ConfigError(ValueError):
@@ -191,6 +192,15 @@ FLAGS: tuple[Flag, ...] = (
         "4096",
         "Maximum concurrent proxied connections; at the limit new clients wait in the backlog",
     ),
+    Flag(
+        "pipe-sched",
+        "choice",
+        "batch",
+        "Linux scheduling policy of the acceptor and pipe threads: batch (SCHED_BATCH, nice "
+        "unchanged: a woken pipe thread does not preempt the one holding the GIL, which "
+        "saves most context switches) or normal (SCHED_OTHER)",
+        PIPE_SCHED_POLICIES,
+    ),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
@@ -224,6 +234,7 @@ class Config:
     health_check_server_name: str = "kubernetes.default.svc"
     kubeconfig: str = ""
     max_connections: int = 4096
+    pipe_sched: str = "batch"
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""

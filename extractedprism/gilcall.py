@@ -42,7 +42,9 @@ _c_splice = _fn("splice", [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c
 _c_shutdown = _fn("shutdown", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
 _c_close = _fn("close", [ctypes.c_int], ctypes.c_int)
 _c_fcntl = _fn("fcntl", [ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_int)
-AVAILABLE = None not in (_c_splice, _c_shutdown, _c_close, _c_fcntl)
+_c_socket = _fn("socket", [ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_int)
+AVAILABLE = None not in (_c_splice, _c_shutdown, _c_close, _c_fcntl, _c_socket)
+_NONBLOCK_TYPE = getattr(socket, "SOCK_NONBLOCK", 0) | getattr(socket, "SOCK_CLOEXEC", 0)
 
 
 def _raise(err: int) -> None:
@@ -93,6 +95,24 @@ def set_nonblocking(sock: socket.socket) -> None:
     if not flags & os.O_NONBLOCK and _c_fcntl(fd, fcntl.F_SETFL,  # type: ignore[misc]
                                              flags | os.O_NONBLOCK) < 0:
         _raise(ctypes.get_errno())
+
+
+def new_nonblocking_socket(family: int) -> socket.socket:
+    """A TCP socket whose fd is O_NONBLOCK from birth, made without releasing the GIL.
+
+    The Python object has no timeout, so its calls raise BlockingIOError (or return
+    EINPROGRESS from connect_ex) instead of waiting: the caller polls.
+    """
+    if AVAILABLE and _NONBLOCK_TYPE:
+        fd = _c_socket(family, socket.SOCK_STREAM | _NONBLOCK_TYPE, 0)  # type: ignore[misc]
+        if fd < 0:
+            _raise(ctypes.get_errno())
+        return socket.socket(family, socket.SOCK_STREAM, 0, fd)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.settimeout(None)  # timeout None with O_NONBLOCK kept: see above
+    os.set_blocking(sock.fileno(), False)
+    return sock
 
 
 def std_shutdown_write(sock: socket.socket) -> None:

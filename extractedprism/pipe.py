@@ -49,18 +49,26 @@ _LINGER_RST = struct.pack("ii", 1, 0)
 _local = threading.local()
 
 
-# The hot-path syscalls. EP_SYSCALLS=gil uses GIL-holding libc calls (see gilcall);
-# the default is the stdlib's, which release the GIL around each call.
-if os.environ.get("EP_SYSCALLS", "std") == "gil" and gilcall.AVAILABLE:
-    _splice = gilcall.splice
+# The hot-path syscalls. By default they are the stdlib's, which release the GIL around
+# each call. EP_SYSCALLS=gil (keep the GIL for every non-blocking call, through gilcall)
+# and EP_SYSCALLS=in (keep it only for the read into the kernel pipe) are for
+# experiments: both measured slower with 64 keep-alive connections (more forced GIL
+# switches: 5-7 context switches per request against 3) and no faster for new
+# connections (docs/performance.md).
+_POLICY = os.environ.get("EP_SYSCALLS", "std") if gilcall.AVAILABLE else "std"
+if _POLICY == "std":
+    _splice_in = _splice_out = gilcall.os_splice
+    _shutdown_write = gilcall.std_shutdown_write
+    _close = gilcall.std_close
+    # Once per connection, and a no-op for dialed sockets (non-blocking from birth).
+    _set_nonblocking = (gilcall.set_nonblocking if gilcall.AVAILABLE
+                        else gilcall.std_set_nonblocking)
+else:
+    _splice_in = gilcall.splice
+    _splice_out = gilcall.splice if _POLICY == "gil" else gilcall.os_splice
     _shutdown_write = gilcall.shutdown_write
     _close = gilcall.close
     _set_nonblocking = gilcall.set_nonblocking
-else:
-    _splice = gilcall.os_splice
-    _shutdown_write = gilcall.std_shutdown_write
-    _close = gilcall.std_close
-    _set_nonblocking = gilcall.std_set_nonblocking
 
 
 def _thread_buffer() -> bytearray:
@@ -76,7 +84,11 @@ def _thread_buffer() -> bytearray:
 
 
 def _thread_pipes() -> list[tuple[int, int]] | None:
-    """Two kernel pipes per pipe thread (one per direction), reused across connections."""
+    """Two kernel pipes per pipe thread (one per direction), reused across connections.
+
+    Made at the thread's first spliced connection, so parked threads that never served
+    one cost no descriptors (the LIFO pool keeps most of them cold).
+    """
     pipes = getattr(_local, "pipes", None)
     if pipes is None:
         try:
@@ -86,14 +98,6 @@ def _thread_pipes() -> list[tuple[int, int]] | None:
             return None
         _local.pipes = pipes
     return pipes
-
-
-def prepare_thread() -> None:
-    """Give a new pipe thread its kernel pipes up front, so the process's fd count is a
-    plain function of the pool size (4 per pipe thread) instead of creeping up as idle
-    threads get their first connection."""
-    if MODE == "splice":
-        _thread_pipes()
 
 
 def release_thread_resources() -> None:
@@ -240,7 +244,7 @@ class Pipe:
         while True:
             if h.pipe_w >= 0:
                 try:
-                    n = _splice(h.src_fd, h.pipe_w, CHUNK)
+                    n = _splice_in(h.src_fd, h.pipe_w, CHUNK)
                 except OSError as exc:
                     if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                         raise
@@ -256,7 +260,7 @@ class Pipe:
                     # must know the thread's pipe still holds bytes (or the next
                     # connection on this thread would receive them).
                     h.pending = n
-                    m = _splice(h.pipe_r, h.dst_fd, n)
+                    m = _splice_out(h.pipe_r, h.dst_fd, n)
                     if m > 0:
                         h.pending -= m
                 full = n == CHUNK
@@ -300,7 +304,7 @@ class Pipe:
     def _flush(h: _Half) -> bool:
         """Write pending bytes; True when all are out."""
         while h.pending:
-            n = _splice(h.pipe_r, h.dst_fd, h.pending)
+            n = _splice_out(h.pipe_r, h.dst_fd, h.pending)
             if n < 0:
                 return False
             h.pending -= n

@@ -4,11 +4,13 @@
 The acceptor thread owns the listening socket. Before each ``accept`` it takes a slot
 from a semaphore sized by ``--max-connections``; at the limit it stops accepting, so
 new clients wait in the kernel backlog (HAProxy's maxconn) instead of piling up
-threads. Accepted sockets go to a pool of pipe threads through one queue; the pool is
-pre-started with a few threads and grows on demand up to the limit, and threads stay
-parked for reuse (a thread start costs ~70 us, which would cap the new-connection
-rate). Each pipe thread then does pick -> dial -> copy for its connection, so the
-acceptor never waits on an upstream.
+threads. Each accepted socket is handed straight to one parked pipe thread: the most recently
+parked one (LIFO), so hot threads with warm stacks and kernel pipes do the work, and
+threads beyond the pre-started ones stay cold and retire after a minute idle. The
+pool is pre-started with 64 threads (a node's usual clients need no thread start:
+one costs ~70 us and, under load, stalls the acceptor while the new thread waits
+for the GIL) and grows on demand up to the limit. Each pipe thread then does
+pick -> dial -> copy for its connection, so the acceptor never waits on an upstream.
 
 Dial failures never reach the client while another upstream is pickable: each failed
 dial counts toward that upstream's failure streak and the connection moves on, trying
@@ -25,23 +27,32 @@ from __future__ import annotations
 
 import errno
 import logging
-import queue
 import socket
 import threading
 import time
 from collections.abc import Callable
 
+from extractedprism import sched
 from extractedprism.endpoints import Endpoint, is_ip
-from extractedprism.pipe import Pipe, prepare_thread, release_thread_resources
+from extractedprism.pipe import Pipe, release_thread_resources
 from extractedprism.registry import Registry
-from extractedprism.sockopts import apply_sockopts, describe_error, dial
+from extractedprism.sockopts import CONNECTION_SOCKOPTS, apply_sockopts, describe_error, dial
 
 log = logging.getLogger(__name__)
 
-PRESTART_THREADS = 16
+PRESTART_THREADS = 64  # a node's usual clients (kubelet, proxies, CNI, daemons) without a spawn
 PIPE_IDLE_EXIT_S = 60.0  # pipe threads beyond PRESTART_THREADS idle this long exit
 PIPE_THREAD_STACK = 256 * 1024  # copy loops are shallow; the default 8 MiB is address space
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def _has_opts(sock: socket.socket) -> bool | None:
+    """Whether ``sock`` carries every connection option (None: could not tell)."""
+    try:
+        return all(sock.getsockopt(level, name) == value
+                   for level, name, value in CONNECTION_SOCKOPTS)
+    except OSError:
+        return None  # reset already; ask the next socket
 
 
 def _format_addr(addr: tuple) -> str:  # type: ignore[type-arg]
@@ -50,7 +61,12 @@ def _format_addr(addr: tuple) -> str:  # type: ignore[type-arg]
 
 
 def open_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
-    """Bind and listen on host:port (IPv4, IPv6 or a name resolved once)."""
+    """Bind and listen on host:port (IPv4, IPv6 or a name resolved once).
+
+    The connection options go on the listener: Linux copies them to every accepted
+    socket, which saves six setsockopt calls per client connection (the acceptor
+    checks the first accepted socket and falls back to setting them per socket).
+    """
     if is_ip(host):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         addr: tuple = (host, port)  # type: ignore[type-arg]
@@ -60,6 +76,7 @@ def open_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        apply_sockopts(sock)
         sock.bind(addr)
         sock.listen(backlog)
     except OSError:
@@ -68,21 +85,40 @@ def open_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
     return sock
 
 
+class _Worker:
+    """A pipe thread's parking spot: the acceptor sets ``item`` and releases ``wake``."""
+
+    __slots__ = ("item", "thread", "wake")
+
+    def __init__(self) -> None:
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.item: tuple[socket.socket, str] | None = None
+        self.thread: threading.Thread | None = None
+
+
 class Proxy:
     """Accepts clients on the listener and pipes each to an upstream from the registry."""
 
     def __init__(self, registry: Registry, *, bind_address: str, bind_port: int,
-                 dial_timeout: float, max_connections: int,
+                 dial_timeout: float, max_connections: int, pipe_sched: str = "batch",
                  on_accept_loop: Callable[[], None] | None = None) -> None:
         self._registry = registry
         self._bind = (bind_address, bind_port)
         self._dial_timeout = dial_timeout
         self._max = max_connections
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._queue: queue.SimpleQueue[tuple[socket.socket, str] | None] = queue.SimpleQueue()
+        self._sched = pipe_sched
         self._pool_lock = threading.Lock()
-        self._workers: list[threading.Thread] = []
-        self._idle = 0
+        # Live connections (slots taken), under _pool_lock; the acceptor waits on
+        # _slot_freed only while saturated, so the common path is one C-level lock.
+        self._live = 0
+        self._saturated = False
+        self._slot_freed = threading.Event()
+        # Whether accepted sockets still need the connection options set one by one
+        # (decided on the first accepted socket; see open_listener).
+        self._client_opts: bool | None = None
+        self._workers: list[_Worker] = []  # every pipe thread, under _pool_lock
+        self._parked: list[_Worker] = []  # idle ones, most recently parked last
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
@@ -140,47 +176,56 @@ class Proxy:
             log.info("shutdown: force-closed connections count=%d", closed)
         with self._pool_lock:
             workers = list(self._workers)
-        for _ in workers:
-            self._queue.put(None)
+            parked, self._parked = self._parked, []
+        for w in parked:  # busy ones see _stopping when their connection ends
+            w.item = None
+            w.wake.release()
         ok = True
-        for t in workers:
+        for w in workers:
+            t = w.thread
+            assert t is not None
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 ok = False
                 log.warning("thread outlived shutdown deadline thread=%s", t.name)
-        # Sockets accepted but never picked up by a pipe thread.
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].close()
         return ok
 
     # -- acceptor thread --------------------------------------------------------------
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
+        sched.apply_to_current_thread(self._sched)
+        listener = self._listener
+        family = listener.family
+        # socket.accept() converts family and type to enums on every call; the raw
+        # accept plus a socket built from known ints does the same work without that.
+        raw_accept = listener._accept  # type: ignore[attr-defined]
         saturated = False
         fd_backoff = 0.0
         while not self._stopping.is_set():
             if self._on_accept_loop is not None:
                 self._on_accept_loop()
-            if not self._slots.acquire(blocking=False):
+            if self._live >= self._max:
                 if not saturated:
                     saturated = True
                     log.warning("max connections reached; new clients wait in the backlog "
                                 "max_connections=%d", self._max)
-                if not self._slots.acquire(timeout=0.5):
-                    continue
-            elif saturated:
+                with self._pool_lock:
+                    self._saturated = True
+                    self._slot_freed.clear()
+                    full = self._live >= self._max
+                if full:
+                    self._slot_freed.wait(0.5)
+                continue
+            if saturated:
                 saturated = False
+                with self._pool_lock:
+                    self._saturated = False
                 log.info("connection slots free again max_connections=%d", self._max)
             try:
-                sock, addr = self._listener.accept()
+                fd, addr = raw_accept()
+                sock = socket.socket(family, socket.SOCK_STREAM, 0, fd)
             except OSError as exc:
-                self._slots.release()
                 if self._stopping.is_set():
                     break
                 if exc.errno in _FD_ERRNOS:
@@ -199,74 +244,107 @@ class Proxy:
         log.debug("acceptor stopped")
 
     def _dispatch(self, sock: socket.socket, client: str) -> None:
+        if self._client_opts is None:
+            inherited = _has_opts(sock)
+            self._client_opts = None if inherited is None else not inherited
+            if self._client_opts:
+                log.debug("accepted sockets do not inherit the listener's options; "
+                          "setting them per connection")
         with self._pool_lock:
-            grow = self._idle == 0 and len(self._workers) < self._max
-            self._idle -= 1
-        if grow:
-            old = threading.stack_size(PIPE_THREAD_STACK)
-            try:
-                self._spawn_worker()
-            finally:
-                threading.stack_size(old)
-        self._queue.put((sock, client))
+            self._live += 1
+            w = self._parked.pop() if self._parked else None
+        if w is not None:
+            w.item = (sock, client)
+            w.wake.release()
+            return
+        old = threading.stack_size(PIPE_THREAD_STACK)
+        try:
+            self._spawn_worker((sock, client))
+        except RuntimeError:  # "can't start new thread": out of memory or tasks
+            log.warning("could not start a pipe thread; closing client client=%s", client)
+            sock.close()
+            self._release_slot()
+        finally:
+            threading.stack_size(old)
 
-    def _spawn_worker(self) -> None:
+    def _spawn_worker(self, item: tuple[socket.socket, str] | None = None) -> None:
+        w = _Worker()
+        w.item = item
         with self._pool_lock:
             self._seq += 1
-            t = threading.Thread(name=f"pipe-idle-{self._seq}", target=self._worker_loop,
-                                 daemon=True)
-            self._workers.append(t)
-            self._idle += 1
-        t.start()
+            w.thread = threading.Thread(name=f"pipe-idle-{self._seq}",
+                                        target=self._worker_loop, args=(w,), daemon=True)
+            self._workers.append(w)
+        try:
+            w.thread.start()
+        except RuntimeError:
+            with self._pool_lock:
+                self._workers.remove(w)
+            raise
+
+    def _release_slot(self) -> None:
+        with self._pool_lock:
+            self._live -= 1
+            if self._saturated:
+                self._slot_freed.set()
 
     # -- pipe threads -------------------------------------------------------------------
 
-    def _worker_loop(self) -> None:
+    def _worker_loop(self, w: _Worker) -> None:
         me = threading.current_thread()
         idle_name = me.name
-        prepare_thread()
-        while True:
-            try:
-                item = self._queue.get(timeout=self.idle_exit_s)
-            except queue.Empty:
-                if self._retire(me):
-                    release_thread_resources()
+        sched.apply_to_current_thread(self._sched)
+        try:
+            while True:
+                item, w.item = w.item, None
+                if item is not None:
+                    sock, client = item
+                    try:
+                        self._serve(sock, client, me)
+                    except Exception:
+                        log.exception("pipe thread failed client=%s", client)
+                        sock.close()
+                    finally:
+                        me.name = idle_name
+                        self._release_slot()
+                if not self._park(w):
                     return
-                continue
-            if item is None:
-                release_thread_resources()
-                return
-            sock, client = item
-            try:
-                self._serve(sock, client, me)
-            except Exception:
-                log.exception("pipe thread failed client=%s", client)
-                sock.close()
-            finally:
-                me.name = idle_name
-                self._slots.release()
-                with self._pool_lock:
-                    self._idle += 1
+        finally:
+            release_thread_resources()
 
-    def _retire(self, me: threading.Thread) -> bool:
-        """After a burst, idle threads beyond the pre-started ones leave the pool, so the
-        threads and fds a burst created are given back.
+    def _park(self, w: _Worker) -> bool:
+        """Wait for the next connection; False when this thread should exit.
 
-        ``_idle`` counts parked threads minus sockets queued for them; a thread may leave
-        only while that is at least one, so a queued socket always has a thread left.
+        After a burst, idle threads beyond the pre-started ones leave the pool (the
+        LIFO hand-off keeps them the coldest), giving back the threads and fds a burst
+        created.
         """
         with self._pool_lock:
-            if self._idle < 1 or len(self._workers) <= self._prestart:
+            if self._stopping.is_set():
+                self._workers.remove(w)
                 return False
-            self._idle -= 1
-            self._workers.remove(me)
+            self._parked.append(w)
+        while not w.wake.acquire(timeout=self.idle_exit_s):
+            with self._pool_lock:
+                if w in self._parked and len(self._workers) > self._prestart:
+                    self._parked.remove(w)
+                    self._workers.remove(w)
+                    return False
+            # Still parked (pre-started), or the acceptor just picked this thread and
+            # is about to release wake: wait again.
+        if w.item is None:  # shutdown
+            with self._pool_lock:
+                if w in self._workers:
+                    self._workers.remove(w)
+            return False
         return True
 
     def _serve(self, client_sock: socket.socket, client: str, me: threading.Thread) -> None:
         if self._stopping.is_set():
             client_sock.close()
             return
-        apply_sockopts(client_sock)
+        if self._client_opts is not False:
+            apply_sockopts(client_sock)
         tried: set[str] = set()
         drain_retry = True
         reg = self._registry

@@ -9,9 +9,14 @@ Nagle's algorithm. Options this platform lacks are skipped.
 
 from __future__ import annotations
 
+import errno
+import math
+import os
+import select
 import socket
 import time
 
+from extractedprism import gilcall
 from extractedprism.endpoints import Endpoint
 
 KEEPALIVE_IDLE_S = 30
@@ -52,7 +57,13 @@ def apply_sockopts(sock: socket.socket, opts: list[SockOpt] = CONNECTION_SOCKOPT
 
 
 def dial(endpoint: Endpoint, timeout: float) -> socket.socket:
-    """Connect to ``endpoint`` within ``timeout`` (name resolution included)."""
+    """Connect to ``endpoint`` within ``timeout`` (name resolution included).
+
+    Returns a connected socket whose fd is non-blocking (see
+    gilcall.new_nonblocking_socket): the pipe wants it so, and a socket made
+    non-blocking from birth saves two GIL round trips per connection (settimeout and
+    setblocking each release the GIL) over connect-with-timeout.
+    """
     deadline = time.monotonic() + timeout
     if endpoint.is_hostname:
         infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
@@ -61,15 +72,22 @@ def dial(endpoint: Endpoint, timeout: float) -> socket.socket:
         family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
         infos = [(family, socket.SOCK_STREAM, 0, "", (endpoint.host, endpoint.port))]
     last: OSError | None = None
-    for family, type_, proto, _, addr in infos:
+    for family, _, _, _, addr in infos:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("timed out")
-        sock = socket.socket(family, type_, proto)
+        sock = gilcall.new_nonblocking_socket(family)
         try:
-            sock.settimeout(remaining)
-            sock.connect(addr)
             apply_sockopts(sock)
+            err = sock.connect_ex(addr)
+            if err in (errno.EINPROGRESS, errno.EAGAIN):
+                poller = select.poll()
+                poller.register(sock.fileno(), select.POLLOUT)
+                if not poller.poll(math.ceil(remaining * 1000)):
+                    raise TimeoutError("timed out")
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise OSError(err, os.strerror(err))
             return sock
         except OSError as exc:
             sock.close()

@@ -53,6 +53,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "health-check-server-name": "api.example.com",
     "kubeconfig": "/etc/extractedprism/kubeconfig",
     "max-connections": 1000000,
+    "pipe-sched": "normal",
 }
 
 
@@ -275,6 +276,7 @@ def test_every_flag_is_reachable_from_values() -> None:
     # ... and the program accepts the result as a whole.
     config = validate(flag_values(env))
     assert config.max_connections == 1000000
+    assert config.pipe_sched == "normal"
     assert config.enable_discovery is False
     assert config.health_check == "readyz"
 

@@ -120,6 +120,7 @@ health-check-token-file: healthCheckTokenFile
 health-check-server-name: healthCheckServerName
 kubeconfig: kubeconfig
 max-connections: maxConnections
+pipe-sched: pipeSched
 {{- end -}}
 
 {{/* Integer-valued keys: printed as whole numbers even when values arrive as floats (JSON). */}}
