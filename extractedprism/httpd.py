@@ -9,10 +9,12 @@ hold up anyone else. Handlers only read snapshots; they never touch upstream sta
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -41,6 +43,19 @@ class _Server(ThreadingHTTPServer):
         self.app = app
         self._slots = threading.BoundedSemaphore(MAX_REQUEST_THREADS)
         super().__init__(addr, handler)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                # The connection stays in the backlog, so the selector reports it again
+                # at once: without a pause this thread would spin a CPU until
+                # descriptors free up. serve_forever drops the error and carries on.
+                log.warning("health server accept failed; backing off error=%r",
+                            exc.strerror)
+                time.sleep(0.2)
+            raise
 
     def process_request(self, request: Any, client_address: Any) -> None:
         # Bounded: a flood of idle connections cannot pile up threads without limit.

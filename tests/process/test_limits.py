@@ -80,10 +80,14 @@ def test_acceptor_survives_fd_exhaustion_and_recovers():
                 break
             held.append(s)
         assert 5 < len(held) < 200, len(held)
-        # Exhausted: no busy loop while clients wait (the acceptor backs off).
+        # Exhausted: no busy loop while clients wait, on the proxy port (the acceptor
+        # backs off) nor on the health port (a probe waiting in its backlog).
+        probe = socket.create_connection(("127.0.0.1", health), timeout=5)
+        probe.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        held.append(probe)
         c0, t0 = cpu_seconds(proc.pid), time.monotonic()
-        time.sleep(1.0)
-        assert (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0) < 0.5
+        time.sleep(1.5)
+        assert (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0) < 0.3
         for s in held:
             s.close()
         held.clear()
@@ -126,3 +130,45 @@ def test_sigterm_with_500_live_connections_exits_0_within_6s():
             proc.kill()
             proc.wait()
         up.stop()
+
+
+_HEALTH_ONLY = """
+import os, resource, sys, time
+from extractedprism.httpd import HealthServer
+from extractedprism.metrics import Metrics
+from extractedprism.registry import Registry
+m = Metrics()
+srv = HealthServer(Registry(metrics=m), m, lambda: True, host="127.0.0.1", port=0)
+srv.start()
+print(srv.address[1], flush=True)
+held = []
+while True:  # take every descriptor left, so accept() gets EMFILE
+    try:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        break
+print("full", flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_health_server_does_not_spin_when_out_of_descriptors():
+    proc = subprocess.Popen([PYTHON, "-c", _HEALTH_ONLY], cwd=ROOT, stdout=subprocess.PIPE,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                                  (64, 64)))
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == b"full"
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as probe:
+            probe.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")  # waits in the backlog
+            c0, t0 = cpu_seconds(proc.pid), time.monotonic()
+            time.sleep(1.5)
+            assert (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0) < 0.3
+            assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
