@@ -110,6 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    # The kernel may hand a process-directed signal to any thread that does not block
+    # it; CPython then only flags it for the main thread, which sleeps in stop.wait()
+    # and would not notice (seen: SIGTERM ignored with connections in flight). So every
+    # other thread blocks these signals: threads inherit the mask of the thread that
+    # starts them, and all of ours descend from threads started here.
+    handled = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+    signal.pthread_sigmask(signal.SIG_BLOCK, handled)
     app = App(config, stop=stop)
     try:
         app.start()
@@ -118,7 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"extractedprism: cannot start: {exc}", file=sys.stderr)
         app.stop()
         return 1
-    while not stop.wait(3600):
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
+    # A bounded wait as well: a signal flagged by any other path is acted on within 1 s.
+    while not stop.wait(1.0):
         pass
     log.info("signal received; shutting down")
     app.stop()

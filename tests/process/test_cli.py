@@ -104,6 +104,36 @@ def test_signal_with_open_connections_exits_0_within_6s(upstream, sig):
             proc.stderr.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_is_acted_on_with_a_partial_health_request_in_flight(upstream, sig):
+    # Regression: with a health-port request blocked mid-read and connections open, the
+    # kernel could hand the signal to a non-main thread and the process ignored it.
+    # Several trials, because it happened in about half of them.
+    for _ in range(6):
+        proc, bind, health = start_proxy("--endpoints", upstream.address)
+        try:
+            conns = [socket.create_connection(("127.0.0.1", bind), timeout=5)
+                     for _ in range(5)]
+            for c in conns:
+                assert c.recv(3) == b"up\n"
+            partial = socket.create_connection(("127.0.0.1", health), timeout=5)
+            partial.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # no blank line
+            conns.append(partial)
+            t0 = time.monotonic()
+            proc.send_signal(sig)
+            assert proc.wait(timeout=10) == 0
+            assert time.monotonic() - t0 < 6
+            for c in conns:
+                c.close()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stderr:
+                proc.stderr.close()
+
+
 def test_env_configuration_runs_and_sigusr1_dumps_threads(upstream):
     proc, bind, _ = start_proxy(env={"EP_ENDPOINTS": upstream.address,
                                           "EP_LOG_LEVEL": "debug"})
