@@ -98,8 +98,14 @@ def parse_endpoint_list(text: str) -> tuple[list[Endpoint], list[str]]:
     """Parse a comma-separated list; returns (endpoints, problems), deduplicated in order."""
     endpoints: list[Endpoint] = []
     problems: list[str] = []
-    for item in text.split(","):
+    items = text.split(",")
+    if not any(item.strip() for item in items):
+        return endpoints, problems  # nothing at all: the caller says "must not be empty"
+    for n, item in enumerate(items, 1):
         if not item.strip():
+            # Each entry must be a host:port pair; a stray comma usually means a value
+            # went missing from a template, which deserves a look rather than silence.
+            problems.append(f"entry {n} is empty")
             continue
         try:
             ep = parse_endpoint(item)

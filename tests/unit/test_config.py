@@ -83,6 +83,8 @@ def test_booleans(text, value):
     ("health_bind_address", "-bad-", "--health-bind-address (-bad-) must be a valid IP"),
     ("endpoints", "", "--endpoints is required"),
     ("endpoints", " , ", "--endpoints ( , ) must not be empty"),
+    ("endpoints", "10.0.0.1:6443,", "entry 2 is empty"),
+    ("endpoints", "10.0.0.1:6443,,10.0.0.2:6443", "entry 2 is empty"),
     ("endpoints", "10.0.0.1", "is not host:port"),
     ("endpoints", "10.0.0.1:0", "port 0 is outside 1-65535"),
     ("endpoints", "10.0.0.1:65536", "port 65536 is outside 1-65535"),
