@@ -51,9 +51,33 @@ def build_parser() -> configargparse.ArgumentParser:
     return parser
 
 
+def _join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``--drain-timeout -1s`` -> ``--drain-timeout=-1s``.
+
+    argparse takes a value that starts with "-" for another option and stops with
+    "expected one argument"; joined, the value reaches validate(), whose message names
+    the flag, the value and the rule like every other.
+    """
+    valued = {f.option for f in FLAGS if f.kind != "bool"}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if (arg in valued and nxt is not None and nxt.startswith("-") and nxt != "--"
+                and nxt.split("=", 1)[0] not in valued and not nxt.startswith("--")):
+            out.append(f"{arg}={nxt}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def parse_config(argv: Sequence[str] | None = None) -> Config:
     """Parse and validate; raises ConfigError listing every problem."""
-    ns = build_parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser().parse_args(_join_dash_values(args))
     return validate(vars(ns))
 
 

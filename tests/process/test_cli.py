@@ -161,3 +161,14 @@ def test_port_in_use_fails_clearly(upstream):
                       "--enable-discovery=false")
     assert res.returncode == 1
     assert "cannot start" in res.stderr and "in use" in res.stderr
+
+
+def test_negative_value_after_a_space_reaches_validation():
+    # argparse alone would say "expected one argument" without naming the value.
+    res = run_cli("--endpoints", "10.0.0.1:6443", "--drain-timeout", "-1s")
+    assert res.returncode == 2
+    assert "--drain-timeout (-1s) must not be negative" in res.stderr
+    # A following option is still an option, not a value.
+    res = run_cli("--endpoints", "10.0.0.1:6443", "--drain-timeout", "--log-level", "info")
+    assert res.returncode == 2
+    assert "--drain-timeout" in res.stderr
