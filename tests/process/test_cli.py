@@ -63,6 +63,15 @@ def start_proxy(*args: str, env: dict[str, str] | None = None) -> tuple[subproce
     return proc, bind, health
 
 
+def reap(proc: subprocess.Popen[str]) -> None:
+    """Kill the proxy if a test left it running, and close its stderr pipe."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if proc.stderr:
+        proc.stderr.close()
+
+
 def _health_ok(port: int) -> bool:
     try:
         return http(("127.0.0.1", port), "/healthz", timeout=1)[0] == 200
@@ -97,11 +106,7 @@ def test_signal_with_open_connections_exits_0_within_6s(upstream, sig):
                 pass
             c.close()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stderr:
-            proc.stderr.close()
+        reap(proc)
 
 
 @pytest.mark.timeout(120)
@@ -127,11 +132,7 @@ def test_signal_is_acted_on_with_a_partial_health_request_in_flight(upstream, si
             for c in conns:
                 c.close()
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if proc.stderr:
-                proc.stderr.close()
+            reap(proc)
 
 
 def test_env_configuration_runs_and_sigusr1_dumps_threads(upstream):
