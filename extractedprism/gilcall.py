@@ -109,9 +109,7 @@ def new_nonblocking_socket(family: int) -> socket.socket:
             _raise(ctypes.get_errno())
         return socket.socket(family, socket.SOCK_STREAM, 0, fd)
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    sock.settimeout(None)  # timeout None with O_NONBLOCK kept: see above
-    os.set_blocking(sock.fileno(), False)
+    os.set_blocking(sock.fileno(), False)  # behind the object's back: timeout stays None
     return sock
 
 
