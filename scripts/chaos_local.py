@@ -1141,8 +1141,11 @@ def ev_readyz(h: Harness, hold: float) -> Outcome:
             out.check(False, "readyz-500: the proxy marked it unready (after its second "
                       "failed probe)")
             return
+        # Judged by when the client began to connect: a connection that began after the
+        # proxy's decision was certainly picked after it, whereas a client thread may
+        # note its completed connect late, after a pick made before the decision.
         late = [a for a in window if a.upstream == up.name and a.connected is not None
-                and tu < a.connected < out.t_recover]
+                and tu < a.start < out.t_recover]
         out.check(not late, f"readyz-500: no new connection went to it after its second "
                   f"failed probe ({len(late)} did)")
         _moved, n, not_moved = h.moved_after(up.name, tu, out.t_recover)
@@ -1195,8 +1198,9 @@ def ev_slice(h: Harness, hold: float) -> Outcome:
         if t is None:
             out.check(False, "slice-removal: the proxy drained the removed endpoint")
             return
+        # Judged by a.start, as for readyz-500: picks happen after the connect began.
         late = [a for a in window if a.upstream == up.name and a.connected is not None
-                and t < a.connected < out.t_recover]
+                and t < a.start < out.t_recover]
         out.check(not late, f"slice-removal: no new connection went to it once it drained "
                   f"({len(late)} did)")
         _moved, n, not_moved = h.moved_after(up.name, t, out.t_recover)
