@@ -921,6 +921,26 @@ class Harness:
         return (None if not_moved else worst), len(clients), not_moved
 
 
+def picked_after(window: list[Attempt], victim: str, at: float, until: float
+                 ) -> list[Attempt]:
+    """New connections that ``victim`` served although they began after ``at``.
+
+    Judged by when the client began to connect: such a connection was certainly picked
+    after ``at``, whereas a client thread may note its completed connect late, after a
+    pick made before ``at``."""
+    return [a for a in window if a.upstream == victim and a.connected is not None
+            and at < a.start < until]
+
+
+def last_close_after(h: Harness, victim: str, at: float) -> float:
+    """Seconds after ``at`` until the last long-lived connection open on ``victim`` at
+    ``at`` ended (0 when there were none)."""
+    ends = [a.end - at for a in h.attempts() if a.kind != "short" and a.established
+            and a.upstream == victim and a.first_byte is not None and a.first_byte <= at
+            and a.end is not None and a.end > at]
+    return max(ends, default=0.0)
+
+
 def run_event(h: Harness, name: str, victim_key: str, inject: Callable[[], float],
               recover: Callable[[], None], hold_until: Callable[[Outcome], bool],
               max_hold: float, min_hold: float,
@@ -1141,18 +1161,11 @@ def ev_readyz(h: Harness, hold: float) -> Outcome:
             out.check(False, "readyz-500: the proxy marked it unready (after its second "
                       "failed probe)")
             return
-        # Judged by when the client began to connect: a connection that began after the
-        # proxy's decision was certainly picked after it, whereas a client thread may
-        # note its completed connect late, after a pick made before the decision.
-        late = [a for a in window if a.upstream == up.name and a.connected is not None
-                and tu < a.start < out.t_recover]
+        late = picked_after(window, up.name, tu, out.t_recover)
         out.check(not late, f"readyz-500: no new connection went to it after its second "
                   f"failed probe ({len(late)} did)")
         _moved, n, not_moved = h.moved_after(up.name, tu, out.t_recover)
-        ends = [a.end - tu for a in h.attempts() if a.kind != "short" and a.established
-                and a.upstream == up.name and a.first_byte is not None and a.first_byte <= tu
-                and a.end is not None and a.end > tu]
-        closed = max(ends, default=0.0)
+        closed = last_close_after(h, up.name, tu)
         bound = UNREADY_CLOSE + SLACK
         ok = not_moved == 0 and closed <= bound
         out.check(ok, f"readyz-500: its {n} long-lived connections were closed within "
@@ -1198,16 +1211,11 @@ def ev_slice(h: Harness, hold: float) -> Outcome:
         if t is None:
             out.check(False, "slice-removal: the proxy drained the removed endpoint")
             return
-        # Judged by a.start, as for readyz-500: picks happen after the connect began.
-        late = [a for a in window if a.upstream == up.name and a.connected is not None
-                and t < a.start < out.t_recover]
+        late = picked_after(window, up.name, t, out.t_recover)
         out.check(not late, f"slice-removal: no new connection went to it once it drained "
                   f"({len(late)} did)")
         _moved, n, not_moved = h.moved_after(up.name, t, out.t_recover)
-        ends = [a.end - t for a in h.attempts() if a.kind != "short" and a.established
-                and a.upstream == up.name and a.first_byte is not None and a.first_byte <= t
-                and a.end is not None and a.end > t]
-        closed = max(ends, default=0.0)
+        closed = last_close_after(h, up.name, t)
         bound = DRAIN + INTERVAL + SLACK
         out.check(not_moved == 0 and closed <= bound,
                   f"slice-removal: its {n} long-lived connections were closed within "
