@@ -39,6 +39,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 PATHS = ("direct", "haproxy", "extractedprism")
+# Opt-in reference proxies with extractedprism's data-path shape (scripts/bench_ref/): in C,
+# and in the least CPython that expresses it. They tell what the shape costs on this
+# machine and what CPython adds, in the same run (docs/performance.md).
+REFS = ("ref-c", "ref-py")
+REF_DIR = Path(__file__).resolve().parent / "bench_ref"
 PROXIES = ("haproxy", "extractedprism")
 PHASES = ("bulk", "keepalive", "newconn", "idle")
 BODY_SIZE = 128  # bytes of the static body nginx serves: a "small request/response"
@@ -185,21 +190,33 @@ def target_text(metric: Metric) -> str:
             "abs_max": f"<= {limit:g} {metric.unit}"}[kind]
 
 
+def refs_in(runs_or_summary: dict) -> list[str]:
+    """The reference paths that have any value in a runs dict or a summary."""
+    return [r for r in REFS if any(isinstance(v, dict) and r in v
+                                   for v in runs_or_summary.values())]
+
+
 def summarize(runs: dict[str, dict[str, list[float | None]]]) -> dict:
     """runs[metric][path] = values of each repetition -> JSON-ready summary with verdicts."""
     summary: dict = {}
+    refs = refs_in(runs)
     for metric in METRICS:
         per_path = runs.get(metric.key, {})
         entry: dict = {"label": metric.label.strip(), "unit": metric.unit,
                        "higher_is_better": metric.higher_is_better,
                        "target": target_text(metric) or None}
-        for path in metric.paths:
+        extra = tuple(refs) if "extractedprism" in metric.paths else ()
+        for path in metric.paths + extra:
             vals = per_path.get(path, [])
             entry[path] = {"best": best(vals, metric.higher_is_better), "runs": vals,
                            "spread": spread(vals)}
         ep = entry.get("extractedprism", {}).get("best")
         ha = entry.get("haproxy", {}).get("best")
         entry["ratio_ep_haproxy"], entry["status"] = judge(metric, ep, ha)
+        for ref in extra:
+            # What the target would say of the reference: informational, never the verdict.
+            entry[f"ratio_{ref}_haproxy"], entry[f"status_{ref}"] = judge(
+                metric, entry[ref]["best"], ha)
         summary[metric.key] = entry
     return summary
 
@@ -218,23 +235,26 @@ def _fmt(v: float | None) -> str:
 
 def render_table(summary: dict) -> str:
     """The human-readable table: best of N per cell, and the spread (max-min)/max of the runs."""
-    head = ("metric", "unit", "direct", "haproxy", "extractedprism", "ep/HA", "target", "status")
+    refs = refs_in(summary)
+    head = ("metric", "unit", *PATHS, *refs, "ep/HA", *(f"{r}/HA" for r in refs), "target",
+            "status")
     rows = [head]
     for metric in METRICS:
         e = summary.get(metric.key)
         if e is None:
             continue
         cells = [metric.label, metric.unit]
-        for path in PATHS:
-            if path not in metric.paths:
+        for path in (*PATHS, *refs):
+            if path not in e:
                 cells.append("")
                 continue
             b, s = e[path]["best"], e[path]["spread"]
             cells.append(_fmt(b) + (f" ±{s * 100:.0f}%" if s is not None and b is not None
                                     else ""))
-        r = e["ratio_ep_haproxy"]
-        cells += [f"{r:.2f}" if r is not None else "-", target_text(metric),
-                  e["status"] if metric.target else ""]
+        for key in ("ratio_ep_haproxy", *(f"ratio_{r}_haproxy" for r in refs)):
+            r = e.get(key)
+            cells.append(f"{r:.2f}" if r is not None else "")
+        cells += [target_text(metric), e["status"] if metric.target else ""]
         rows.append(tuple(cells))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = []
@@ -259,6 +279,14 @@ def raise_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
+def child_setup_batch() -> None:
+    """raise_nofile, and SCHED_BATCH for every thread the child starts (they inherit it):
+    the reference proxies get the policy extractedprism's --pipe-sched gives its own."""
+    raise_nofile()
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+
+
 @dataclass
 class Proc:
     name: str
@@ -274,12 +302,12 @@ class Procs:
     live: list[Proc] = field(default_factory=list)
 
     def start(self, name: str, argv: list[str], env: dict | None = None,
-              cwd: Path | None = None) -> Proc:
+              cwd: Path | None = None, batch: bool = False) -> Proc:
         log = self.tmp / f"{name}.log"
         with open(log, "ab") as fh:
             popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh,
                                      env=env, cwd=cwd, start_new_session=True,
-                                     preexec_fn=raise_nofile)
+                                     preexec_fn=child_setup_batch if batch else raise_nofile)
         proc = Proc(name, popen, log)
         self.live.append(proc)
         return proc
@@ -309,6 +337,22 @@ class Procs:
             return "\n".join(proc.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def wait_healthy(hport: int, proc: Proc, timeout: float = 20.0) -> bool:
+    """Poll GET /healthz on the health port until 200, the process exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://{HOST}:{hport}/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.1)
+    return False
 
 
 def free_port() -> int:
@@ -425,6 +469,7 @@ class Bench:
     runs: dict = field(default_factory=dict)  # runs[metric][path] = [values]
     notes: list[str] = field(default_factory=list)
     ep_error: str | None = None
+    ref_errors: dict = field(default_factory=dict)  # reference path -> why it is skipped
 
     def record(self, key: str, path: str, value: float | None) -> None:
         self.runs.setdefault(key, {}).setdefault(path, []).append(value)
@@ -458,21 +503,47 @@ class Bench:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (self.args.ep_pythonpath or str(REPO), env.get("PYTHONPATH", "")) if p)
         proc = self.procs.start(f"extractedprism-{tag}", argv, env=env, cwd=REPO)
-        deadline = time.monotonic() + 20.0
-        while time.monotonic() < deadline:
-            if proc.popen.poll() is not None:
-                break
-            try:
-                with urllib.request.urlopen(f"http://{HOST}:{hport}/healthz", timeout=1) as r:
-                    if r.status == 200:
-                        return proc, port
-            except OSError:
-                pass
-            time.sleep(0.1)
+        if wait_healthy(hport, proc):
+            return proc, port
         tail = self.procs.log_tail(proc)
         self.procs.stop(proc)
         self.ep_error = f"extractedprism did not become healthy ({' '.join(argv)}):\n{tail}"
         self.note(self.ep_error)
+        return None
+
+    def ref_argv(self, path: str) -> list[str] | None:
+        """The command of a reference proxy (ref-c is compiled once per run), or None."""
+        if path == "ref-py":
+            return [sys.executable, str(REF_DIR / "tpc_min.py")]
+        binary = self.tmp / "tpc"
+        if not binary.exists():
+            cc = shutil.which("cc") or shutil.which("gcc")
+            res = None if cc is None else subprocess.run(
+                [cc, "-O2", "-pthread", "-o", str(binary), str(REF_DIR / "tpc.c")],
+                capture_output=True, text=True, timeout=120, check=False)
+            if res is None or res.returncode != 0:
+                why = "no C compiler (cc/gcc) on PATH" if res is None else res.stderr[-2000:]
+                self.note(f"ref-c skipped: could not build {REF_DIR / 'tpc.c'}: {why}")
+                return None
+        return [str(binary)]
+
+    def start_ref(self, path: str, tag: str, upstream: int) -> tuple[Proc, int] | None:
+        """Start a reference proxy with the flags extractedprism gets (it ignores the rest)."""
+        if path in self.ref_errors:
+            return None
+        cmd = self.ref_argv(path)
+        if cmd is None:
+            self.ref_errors[path] = "could not build"
+            return None
+        port, hport = free_port(), free_port()
+        argv = [*cmd, "--endpoints", f"{HOST}:{upstream}", "--bind-address", HOST,
+                "--bind-port", str(port), "--health-port", str(hport)]
+        proc = self.procs.start(f"{path}-{tag}", argv, cwd=REPO, batch=True)
+        if wait_healthy(hport, proc):
+            return proc, port
+        self.ref_errors[path] = f"{path} did not start: {self.procs.log_tail(proc)}"
+        self.note(self.ref_errors[path])
+        self.procs.stop(proc)
         return None
 
     def start_proxy(self, path: str, tag: str, upstream: int) -> tuple[Proc | None, int] | None:
@@ -481,6 +552,8 @@ class Bench:
             return None, upstream
         if path == "haproxy":
             return self.start_haproxy(tag, upstream)
+        if path in REFS:
+            return self.start_ref(path, tag, upstream)
         return self.start_ep(tag, upstream)
 
     def proxies_for(self, tag: str, upstream: int) -> dict[str, tuple[Proc | None, int]]:
@@ -805,7 +878,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phases", default=",".join(PHASES),
                    help=f"comma-separated subset of {','.join(PHASES)}")
     p.add_argument("--paths", default=",".join(PATHS),
-                   help=f"comma-separated subset of {','.join(PATHS)}")
+                   help=f"comma-separated subset of {','.join(PATHS + REFS)}; the reference "
+                        "proxies ref-c and ref-py (scripts/bench_ref/: the same data-path shape "
+                        "in C and in minimal CPython) are opt-in")
     p.add_argument("--haproxy-threads", type=int, default=os.cpu_count() or 1,
                    help="HAProxy nbthread (default: CPU count, as HAProxy itself picks)")
     p.add_argument("--ep-cmd", default="{python} -m extractedprism",
@@ -840,7 +915,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if x not in PHASES:
             p.error(f"unknown phase {x!r}")
     for x in a.paths:
-        if x not in PATHS:
+        if x not in PATHS + REFS:
             p.error(f"unknown path {x!r}")
     return a
 
@@ -898,6 +973,7 @@ def run(args: argparse.Namespace) -> int:
         "metrics": summary,
         "idle_detail": getattr(bench, "idle_detail", {}),
         "extractedprism_error": bench.ep_error,
+        "reference_errors": bench.ref_errors,
         "notes": bench.notes,
     }
     out = Path(args.out) if args.out else REPO / "bench-results" / f"bench-{stamp}.json"

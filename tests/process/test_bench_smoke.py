@@ -5,10 +5,15 @@ No timing is asserted: the benchmark is a report, run by hand (scripts/bench).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
+import shutil
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -103,3 +108,71 @@ def test_judge_and_summary() -> None:
     assert s["ka64_rps"]["ratio_ep_haproxy"] == pytest.approx(0.7)
     assert s["ka64_rps"]["status"] == "PASS"
     assert "keep-alive c=64" in bench.render_table(s)
+
+
+def test_summary_and_table_carry_reference_paths() -> None:
+    s = bench.summarize({"ka64_rps": {"haproxy": [10.0], "extractedprism": [5.0],
+                                      "ref-c": [8.0], "ref-py": [6.0]}})
+    e = s["ka64_rps"]
+    assert e["ratio_ep_haproxy"] == pytest.approx(0.5)
+    assert e["status"] == "FAIL"  # the verdict is extractedprism's, never a reference's
+    assert e["ratio_ref-c_haproxy"] == pytest.approx(0.8)
+    assert e["status_ref-c"] == "PASS"
+    assert e["ratio_ref-py_haproxy"] == pytest.approx(0.6)
+    table = bench.render_table(s)
+    assert "ref-c/HA" in table and "ref-py/HA" in table
+    row = next(line for line in table.splitlines() if line.startswith("keep-alive c=64 "))
+    assert row.split()[-7:] == ["0.50", "0.80", "0.60", ">=", "0.7x", "HA", "FAIL"]
+    # Without reference runs the table keeps its usual columns.
+    plain = bench.render_table(bench.summarize({"ka64_rps": {"haproxy": [10.0]}}))
+    assert "ref-c" not in plain
+
+
+def _echo_upstream() -> tuple[socket.socket, threading.Thread]:
+    """A loopback upstream that echoes each connection until EOF, then half-closes."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(30)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            c, _ = srv.accept()
+            with c:
+                while data := c.recv(65536):
+                    c.sendall(data)
+                c.shutdown(socket.SHUT_WR)
+
+    t = threading.Thread(target=serve, name="test-echo-upstream", daemon=True)
+    t.start()
+    return srv, t
+
+
+@pytest.mark.parametrize("ref", ["ref-py", "ref-c"])
+def test_reference_proxy_carries_bytes_and_half_close(ref: str, tmp_path: Path) -> None:
+    """The references must be real proxies, or their figures would mean nothing."""
+    if ref == "ref-c" and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    args = bench.parse_args(["--paths", f"direct,{ref}"])
+    procs = bench.Procs(tmp_path)
+    b = bench.Bench(args, procs, tmp_path)
+    srv, t = _echo_upstream()
+    try:
+        started = b.start_ref(ref, "test", srv.getsockname()[1])
+        assert started is not None, b.ref_errors
+        proc, port = started
+        payload = os.urandom(3 * 1024 * 1024)
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as c:
+            sender = threading.Thread(target=lambda: (c.sendall(payload),
+                                                      c.shutdown(socket.SHUT_WR)),
+                                      name="test-sender", daemon=True)
+            sender.start()
+            got = bytearray()
+            while chunk := c.recv(65536):
+                got += chunk
+            sender.join(20)
+        assert bytes(got) == payload  # and EOF arrived: the half-close went both ways
+        # The harness started it with the product's default scheduling policy.
+        assert os.sched_getscheduler(proc.popen.pid) == os.SCHED_BATCH
+    finally:
+        procs.stop_all()
+        srv.close()
+        t.join(10)
