@@ -8,9 +8,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +28,15 @@ def wait_until(pred: Callable[[], T], timeout: float = 10.0, interval: float = 0
         time.sleep(interval)
         last = pred()
     return last
+
+
+def first_checks_recorded(servers: Iterable[Any]) -> bool:
+    """Every fake upstream in ``servers`` has taken two connections from an App's health
+    checks. The ticker never overlaps two checks of one upstream and records a result
+    before the next check of it starts, so the first results are in the registry. (A new
+    upstream counts as healthy before its first check: waiting for "healthy" waits for
+    nothing.)"""
+    return all(s.accepted >= 2 for s in servers)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
