@@ -27,7 +27,7 @@ from tests.deploy.helpers import (
     render,
 )
 from tests.fakes.upstream import IdentityServer
-from tests.util import ROOT, free_ports, wait_until
+from tests.util import ROOT, start_on_free_ports, wait_until
 
 STAGES = containerfile_stages(CONTAINERFILE.read_text())
 BUILD, FINAL = STAGES[1], STAGES[-1]
@@ -192,25 +192,26 @@ def test_entrypoint_from_a_fresh_venv_serves_and_stops_cleanly(tmp_path: Path) -
 
     upstream = IdentityServer(name="apiserver").start()
     try:
-        bind_port, health_port = free_ports(2)
-        docs, _ = render({"endpoints": [upstream.address], "bindPort": bind_port,
-                          "healthPort": health_port})
-        chart_env = env_of(container(docs))
-        assert chart_env["EP_ENABLE_DISCOVERY"] == "true"  # the default, out of a cluster here
         image_env = _env(FINAL)
         image_env["PATH"] = f"{venv / 'bin'}:/usr/bin:/bin"
         run_dir = tmp_path / "cwd"
         tmpdir = tmp_path / "tmp"
         run_dir.mkdir()
         tmpdir.mkdir()
-        env = {**image_env, **chart_env, "HOME": str(run_dir), "TMPDIR": str(tmpdir)}
         before = _snapshot(venv)
 
-        proc = subprocess.Popen([str(entrypoint)], env=env, cwd=run_dir,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        def start(ports: list[int]) -> subprocess.Popen[str]:
+            docs, _ = render({"endpoints": [upstream.address], "bindPort": ports[0],
+                              "healthPort": ports[1]})
+            chart_env = env_of(container(docs))
+            assert chart_env["EP_ENABLE_DISCOVERY"] == "true"  # the default, out of a cluster
+            env = {**image_env, **chart_env, "HOME": str(run_dir), "TMPDIR": str(tmpdir)}
+            return subprocess.Popen([str(entrypoint)], env=env, cwd=run_dir,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        proc, (bind_port, health_port) = start_on_free_ports(
+            start, lambda ports: _get(ports[1], "/healthz") == 200, timeout=30)
         try:
-            wait_until(lambda: proc.poll() is not None or _get(health_port, "/healthz") == 200,
-                       timeout=30, message="/healthz 200")
             assert proc.poll() is None, f"exited early:\n{proc.stdout.read()}"
             wait_until(lambda: _get(health_port, "/readyz") == 200, timeout=30,
                        message="/readyz 200 with a healthy upstream")
