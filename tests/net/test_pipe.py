@@ -58,6 +58,7 @@ def test_bytes_stranded_by_a_dead_upstream_never_reach_the_next_connection(mode)
         reader.start()
         Pipe(proxy_c, proxy_u, client_addr="c2", upstream_addr="u2", mode=mode).run()
         reader.join(5)
+        assert not reader.is_alive(), "the upstream never saw the client's EOF"
         results["got"] = got
         client.close()
         upstream.close()
