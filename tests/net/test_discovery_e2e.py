@@ -192,8 +192,10 @@ def test_removed_endpoint_drains_then_closes(
             s.settimeout(2)
             try:
                 closed = s.recv(16) == b""
+            except TimeoutError:
+                closed = False  # silent, not closed: the proxy kept it open
             except OSError:
-                closed = True
+                closed = True  # reset
             assert closed
     finally:
         assert app.stop()

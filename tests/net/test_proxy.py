@@ -206,6 +206,7 @@ def test_200_concurrent_connections_intact(make_app, servers):
         t.start()
     for t in threads:
         t.join(30)
+    assert not [t.name for t in threads if t.is_alive()], "clients still waiting"
     assert not errors
 
 
