@@ -20,7 +20,15 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def run_in_thread(target) -> None:  # type: ignore[no-untyped-def]
-    t = threading.Thread(target=target, name="test-pipe-thread")
+    """Run ``target`` on a thread that ends like a product pipe thread: it gives its
+    kernel pipes back, which would otherwise stay open after the thread is gone."""
+    def pipe_thread() -> None:
+        try:
+            target()
+        finally:
+            pipe_mod.release_thread_resources()
+
+    t = threading.Thread(target=pipe_thread, name="test-pipe-thread")
     t.start()
     t.join(10)
     assert not t.is_alive()
