@@ -1,7 +1,8 @@
-"""Shared fixtures: in-process App factory, upstream servers, and a thread-leak guard."""
+"""Shared fixtures: in-process App factory, upstream servers, thread- and fd-leak guards."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +33,34 @@ def no_leaked_product_threads() -> Iterator[None]:
         time.sleep(0.05)
         leaked = {t for t in leaked if t.is_alive()}
     assert not leaked, f"threads outlived the test: {sorted(t.name for t in leaked)}"
+
+
+def _open_fds() -> dict[int, str]:
+    """This process's descriptors and what each refers to (socket:[inode], pipe:[...])."""
+    out: dict[int, str] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor, or one closed meanwhile
+            pass
+    return out
+
+
+def _new_fds(before: dict[int, str]) -> dict[int, str]:
+    return {fd: what for fd, what in _open_fds().items() if before.get(fd) != what}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_fds() -> Iterator[None]:
+    """Fail a test whose file descriptors (sockets, kernel pipes, files) outlive it."""
+    before = _open_fds()
+    yield
+    deadline = time.monotonic() + 5.0
+    leaked = _new_fds(before)
+    while leaked and time.monotonic() < deadline:  # threads that are ending close theirs
+        time.sleep(0.05)
+        leaked = _new_fds(before)
+    assert not leaked, f"file descriptors outlived the test: {sorted(leaked.values())}"
 
 
 def fast_config(endpoints: list[Endpoint] | tuple[Endpoint, ...], **overrides: object) -> Config:

@@ -8,9 +8,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,8 +30,18 @@ def wait_until(pred: Callable[[], T], timeout: float = 10.0, interval: float = 0
     return last
 
 
+def first_checks_recorded(servers: Iterable[Any]) -> bool:
+    """Every fake upstream in ``servers`` has taken two connections from an App's health
+    checks. The ticker never overlaps two checks of one upstream and records a result
+    before the next check of it starts, so the first results are in the registry. (A new
+    upstream counts as healthy before its first check: waiting for "healthy" waits for
+    nothing.)"""
+    return all(s.accepted >= 2 for s in servers)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for subprocesses that need a fixed --bind-port)."""
+    """A port that was free a moment ago; another process may take it before it is bound
+    again (see start_on_free_ports). Never use it as a port that must stay closed."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -48,6 +58,41 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def start_on_free_ports(start: Callable[[list[int]], subprocess.Popen[Any]],
+                        ready: Callable[[list[int]], bool], n: int = 2, attempts: int = 3,
+                        timeout: float = 15.0) -> tuple[subprocess.Popen[Any], list[int]]:
+    """Start a process that must listen on ``n`` fixed ports, and wait until ``ready``.
+
+    The ports were free a moment before the process binds them; another process (a
+    connection of a test running in parallel takes its local port from the same range)
+    may take one in between, and the proxy then exits with status 1 ("cannot start").
+    That is retried on fresh ports. Any other early exit is returned to the caller, who
+    reports it; so is the last attempt's.
+    """
+    for attempt in range(attempts):
+        ports = free_ports(n)
+        proc = start(ports)
+        try:
+            wait_until(lambda p=proc, ps=ports: p.poll() is not None or ready(ps), timeout,
+                       message=f"process on ports {ports} ready or exited")
+        except AssertionError:
+            _reap(proc)  # neither ready nor exited: leave nothing running behind the test
+            raise
+        if proc.poll() is None or proc.returncode != 1 or attempt == attempts - 1:
+            return proc, ports
+        _reap(proc)
+    raise AssertionError("unreachable")
+
+
+def _reap(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 20.0

@@ -14,7 +14,7 @@ import pytest
 from extractedprism import gilcall, sched
 from extractedprism.endpoints import Endpoint
 from extractedprism.sockopts import CONNECTION_SOCKOPTS, dial
-from tests.util import free_port, wait_until
+from tests.util import wait_until
 
 
 @pytest.mark.parametrize("libc", [True, False])
@@ -47,9 +47,12 @@ def _readable(sock: socket.socket) -> bool:
 
 
 def test_dial_refused_raises_connection_refused():
-    port = free_port()
-    with pytest.raises(ConnectionRefusedError):
-        dial(Endpoint("127.0.0.1", port), 2.0)
+    # Bound but not listening: the kernel refuses, and the port stays ours meanwhile (a
+    # port freed again could be taken by another process and accept the dial).
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        with pytest.raises(ConnectionRefusedError):
+            dial(Endpoint("127.0.0.1", bound.getsockname()[1]), 2.0)
 
 
 def test_dial_keeps_its_deadline_when_syns_go_unanswered():

@@ -150,18 +150,29 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
             app.registry.set_endpoints([ups[1].endpoint])  # drain starts mid-dial
         return sock
 
+    def attached_to_up0() -> int:
+        view = app.registry.snapshot().get(ups[0].address)
+        return 0 if view is None else view.active_connections
+
     proxy_mod.dial = racing_dial
     try:
         for _ in range(50):
             with connect(app) as s:
-                assert read_line(s) in ("up0", "up1")
-            if fired.is_set():
-                break
+                served_by = read_line(s)
+                assert served_by in ("up0", "up1")
+                if fired.is_set():
+                    # The racing connection was retried on up1 and, while it is still
+                    # open, nothing is attached to the draining up0 (earlier, closed
+                    # connections may take a moment to detach).
+                    assert served_by == "up1"
+                    wait_until(lambda: attached_to_up0() == 0, 2,
+                               message="nothing attached to the draining up0")
+                    break
     finally:
         proxy_mod.dial = real_dial
     assert fired.is_set()
-    # The racing connection went to up1, and nothing is attached to the draining up0.
-    assert app.registry.snapshot().get(ups[0].address) is None
+    wait_until(lambda: app.registry.snapshot().get(ups[0].address) is None, 5,
+               message="the drained up0 removed")
 
 
 def test_max_connections_backpressure(make_app, servers):

@@ -20,7 +20,15 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def run_in_thread(target) -> None:  # type: ignore[no-untyped-def]
-    t = threading.Thread(target=target, name="test-pipe-thread")
+    """Run ``target`` on a thread that ends like a product pipe thread: it gives its
+    kernel pipes back, which would otherwise stay open after the thread is gone."""
+    def pipe_thread() -> None:
+        try:
+            target()
+        finally:
+            pipe_mod.release_thread_resources()
+
+    t = threading.Thread(target=pipe_thread, name="test-pipe-thread")
     t.start()
     t.join(10)
     assert not t.is_alive()
@@ -58,6 +66,7 @@ def test_bytes_stranded_by_a_dead_upstream_never_reach_the_next_connection(mode)
         reader.start()
         Pipe(proxy_c, proxy_u, client_addr="c2", upstream_addr="u2", mode=mode).run()
         reader.join(5)
+        assert not reader.is_alive(), "the upstream never saw the client's EOF"
         results["got"] = got
         client.close()
         upstream.close()

@@ -206,6 +206,7 @@ def test_200_concurrent_connections_intact(make_app, servers):
         t.start()
     for t in threads:
         t.join(30)
+    assert not [t.name for t in threads if t.is_alive()], "clients still waiting"
     assert not errors
 
 
@@ -259,7 +260,12 @@ def test_dial_failures_count_toward_the_streak_and_retry_elsewhere(make_app, ser
     # Long interval: only client dials can notice the dead upstream.
     app = make_app([u.endpoint for u in ups], health_interval=30, health_timeout=1)
     dead = ups[0].address
-    wait_until(lambda: app.registry.snapshot().get(dead).total_connections >= 0, 1)
+    # The start-up checks must be over (and recorded) before up0 dies: a check that hit
+    # the closed port would count toward the streak too, leaving only one dial to fail.
+    # Every upstream took its check's connection, and no probe thread is left to record.
+    wait_until(lambda: all(u.accepted >= 1 for u in ups)
+               and not any(t.name.startswith("probe-") for t in threading.enumerate()),
+               5, message="the start-up checks")
     ups[0].close_listener()
     answers = [whoami(app) for _ in range(100)]
     assert all(a in ("up1", "up2") for a in answers), collections.Counter(answers)

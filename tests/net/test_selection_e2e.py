@@ -9,7 +9,7 @@ import time
 
 from extractedprism.probes import probe
 from tests.net.test_proxy import connect, read_line, whoami
-from tests.util import http, wait_until
+from tests.util import first_checks_recorded, http, wait_until
 
 
 def test_least_conn_spreads_300_long_lived_connections_evenly(make_app, servers):
@@ -100,8 +100,8 @@ def test_latency_mode_prefers_the_near_group(make_app, servers):
 def test_random_mode_has_no_latency_series(make_app, servers):
     ups = servers(2)
     app = make_app([u.endpoint for u in ups])
-    wait_until(lambda: app.registry.snapshot().upstreams[0].healthy, 5)
-    time.sleep(0.4)  # at least one more probe round
+    # After the first checks are recorded (they carry an RTT), not before.
+    wait_until(lambda: first_checks_recorded(ups), 5, message="the first health checks")
     text = http(app.health_address, "/metrics")[2].decode()
     assert "extractedprism_upstream_rtt_seconds{" not in text
     assert "extractedprism_upstream_latency_tier{" not in text

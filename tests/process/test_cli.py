@@ -6,12 +6,22 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
+from typing import IO
 
 import pytest
 
 from tests.fakes.upstream import IdentityServer
-from tests.util import PYTHON, ROOT, free_ports, http, run_cli, wait_until
+from tests.util import (
+    PYTHON,
+    ROOT,
+    free_ports,
+    http,
+    run_cli,
+    start_on_free_ports,
+    wait_until,
+)
 
 
 def test_invalid_config_exits_2_before_opening_ports():
@@ -51,15 +61,22 @@ def test_version_and_help():
 
 def start_proxy(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str],
                                                                            int, int]:
-    bind, health = free_ports(2)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
     full_env.update(env or {})
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "extractedprism", "--bind-port", str(bind), "--health-port", str(health),
-         "--enable-discovery=false", "--health-interval", "2s", "--health-timeout", "1s",
-         *args], env=full_env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    wait_until(lambda: _health_ok(health) or proc.poll() is not None, 15)
-    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+
+    def start(ports: list[int]) -> subprocess.Popen[str]:
+        bind, health = ports
+        return subprocess.Popen(
+            [PYTHON, "-m", "extractedprism", "--bind-port", str(bind),
+             "--health-port", str(health), "--enable-discovery=false",
+             "--health-interval", "2s", "--health-timeout", "1s", *args],
+            env=full_env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+
+    proc, (bind, health) = start_on_free_ports(start, lambda ports: _health_ok(ports[1]))
+    if proc.poll() is not None:
+        err = proc.stderr.read() if proc.stderr else ""
+        reap(proc)
+        raise AssertionError(f"the proxy exited with {proc.returncode}: {err}")
     return proc, bind, health
 
 
@@ -135,24 +152,36 @@ def test_signal_is_acted_on_with_a_partial_health_request_in_flight(upstream, si
             reap(proc)
 
 
+def _collect(stream: IO[str], into: list[str]) -> None:
+    for line in stream:
+        into.append(line)
+
+
 def test_env_configuration_runs_and_sigusr1_dumps_threads(upstream):
     proc, bind, _ = start_proxy(env={"EP_ENDPOINTS": upstream.address,
                                           "EP_LOG_LEVEL": "debug"})
+    assert proc.stderr is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=_collect, args=(proc.stderr, lines),
+                              name="test-stderr-reader")
+    reader.start()
+    names = ("acceptor", "ticker", "heartbeat", "health-http", "pipe-idle-")
     try:
         with socket.create_connection(("127.0.0.1", bind), timeout=5) as c:
             assert c.recv(3) == b"up\n"
         proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.5)  # let faulthandler write before asking the process to stop
+        # The dump is on stderr before the process is asked to stop.
+        wait_until(lambda: all(f"--- thread '{n}" in "".join(lines) for n in names), 10,
+                   message="a thread dump naming every core thread")
+        assert any("thread dump" in line for line in lines)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=10)
-        assert proc.returncode == 0
-        assert "thread dump" in err
-        for name in ("acceptor", "ticker", "heartbeat", "health-http", "pipe-idle-"):
-            assert f"--- thread '{name}" in err
+        assert proc.wait(timeout=10) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+        reader.join(5)  # EOF once the process is gone
+        reap(proc)
 
 
 def test_port_in_use_fails_clearly(upstream):

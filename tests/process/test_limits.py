@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.fakes.upstream import IdentityServer
-from tests.util import PYTHON, ROOT, free_ports, http, wait_until
+from tests.util import PYTHON, ROOT, http, start_on_free_ports, wait_until
 
 
 def _raise_own_fd_limit(n: int) -> None:
@@ -23,28 +23,29 @@ def _raise_own_fd_limit(n: int) -> None:
 
 def spawn(endpoint: str, *args: str, nofile: int | None = None
           ) -> tuple[subprocess.Popen[bytes], int, int]:
-    bind, health = free_ports(2)
-
     def limit() -> None:
         if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "extractedprism", "--endpoints", endpoint, "--bind-port", str(bind),
-         "--health-port", str(health), "--enable-discovery=false", "--health-interval", "2s",
-         "--health-timeout", "1s", *args],
-        cwd=ROOT, env=env, preexec_fn=limit, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
 
-    def up() -> bool:
+    def start(ports: list[int]) -> subprocess.Popen[bytes]:
+        bind, health = ports
+        return subprocess.Popen(
+            [PYTHON, "-m", "extractedprism", "--endpoints", endpoint, "--bind-port", str(bind),
+             "--health-port", str(health), "--enable-discovery=false",
+             "--health-interval", "2s", "--health-timeout", "1s", *args],
+            cwd=ROOT, env=env, preexec_fn=limit, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+
+    def up(ports: list[int]) -> bool:
         try:
-            return http(("127.0.0.1", health), "/healthz", timeout=1)[0] == 200
+            return http(("127.0.0.1", ports[1]), "/healthz", timeout=1)[0] == 200
         except OSError:
-            return proc.poll() is not None
+            return False
 
-    wait_until(up, 15)
-    assert proc.poll() is None
+    proc, (bind, health) = start_on_free_ports(start, up)
+    assert proc.poll() is None, f"the proxy exited with {proc.returncode}"
     return proc, bind, health
 
 
