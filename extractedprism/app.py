@@ -152,14 +152,6 @@ class App:
         except OSError:
             self.proxy.close_listener()
             raise
-        self.merger.update("static", list(cfg.endpoints))
-        if cfg.enable_discovery:
-            self._start_discovery()
-        self.ticker.start()
-        self.proxy.start()
-        self.heartbeat.start()
-        self.health.start()
-        self._started = True
         if cfg.health_check == "readyz":
             # Not fatal: the file is re-read on every probe and may be mounted later;
             # until then every probe fails and selection falls back to TCP health. But a
@@ -169,6 +161,14 @@ class App:
                 log.warning("readyz CA file unusable flag=--health-check-ca-file path=%s "
                             "reason=%r; every readyz probe fails until it is fixed",
                             cfg.health_check_ca_file, problem)
+        self.merger.update("static", list(cfg.endpoints))
+        if cfg.enable_discovery:
+            self._start_discovery()
+        self.ticker.start()
+        self.proxy.start()
+        self.heartbeat.start()
+        self.health.start()
+        self._started = True
         host, port = self.proxy.address
         hhost, hport = self.health.address
         log.info("extractedprism started listen=%s:%d health=%s:%d endpoints=%s selection=%s "
