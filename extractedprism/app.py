@@ -23,7 +23,7 @@ from extractedprism.endpoints import Endpoint
 from extractedprism.httpd import HealthServer
 from extractedprism.merge import Merger
 from extractedprism.metrics import Metrics
-from extractedprism.probes import ProbeResult, ReadyzSettings, probe
+from extractedprism.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
 from extractedprism.proxy import Proxy
 from extractedprism.registry import Registry
 from extractedprism.ticker import Ticker
@@ -152,6 +152,15 @@ class App:
         except OSError:
             self.proxy.close_listener()
             raise
+        if cfg.health_check == "readyz":
+            # Not fatal: the file is re-read on every probe and may be mounted later;
+            # until then every probe fails and selection falls back to TCP health. But a
+            # typo in the path should not hide among per-upstream probe failures.
+            problem = ca_file_problem(cfg.health_check_ca_file)
+            if problem:
+                log.warning("readyz CA file unusable flag=--health-check-ca-file path=%s "
+                            "reason=%r; every readyz probe fails until it is fixed",
+                            cfg.health_check_ca_file, problem)
         self.merger.update("static", list(cfg.endpoints))
         if cfg.enable_discovery:
             self._start_discovery()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import socket
 import ssl
 import time
@@ -256,3 +257,58 @@ def test_probe_errors_are_logged_once_per_change(app, ups, caplog):
     lines = [r.getMessage() for r in caplog.records
              if bad.address in r.getMessage() and "HTTP 500" in r.getMessage()]
     assert 1 <= len(lines) <= 2, lines  # the change, not every interval
+
+
+def test_unusable_ca_file_warns_at_startup_and_falls_back(make_app, ups, ca, tmp_path, caplog):
+    missing = tmp_path / "typo-ca.pem"
+    caplog.set_level(logging.INFO)
+    app = make_app([u.endpoint for u in ups], health_check="readyz",
+                   health_check_ca_file=str(missing), health_interval=INTERVAL,
+                   health_timeout=TIMEOUT)
+    # Not fatal (the file is re-read on every probe), but said once, naming flag and path.
+    [warning] = [r.getMessage() for r in caplog.records
+                 if r.levelno == logging.WARNING and "--health-check-ca-file" in r.getMessage()]
+    assert str(missing) in warning and "CA file missing" in warning
+    # Every probe fails with that reason and selection falls back to TCP health.
+    wait_until(lambda: all(u.readiness == "unready" for u in app.registry.snapshot().upstreams),
+               5)
+    assert all(u.last_check_error == f"CA file missing: {missing}"
+               for u in app.registry.snapshot().upstreams)
+    assert {whoami(app, ca) for _ in range(40)} == {"up0", "up1", "up2"}
+    # The file appears: the next probes pass.
+    ca.cert_pem.write_to_path(str(missing))
+    wait_until(lambda: all(u.ready for u in app.registry.snapshot().upstreams), 5)
+
+
+def test_no_startup_warning_for_a_good_ca_file(app, caplog):
+    assert not [r for r in caplog.records if "--health-check-ca-file" in r.getMessage()]
+
+
+def test_token_gone_bad_while_running_keeps_connections_and_says_why(make_app, ups, ca,
+                                                                     tmp_path, caplog):
+    secret = "e2e-secret-token-value"
+    ca_file, token = tmp_path / "ca.pem", tmp_path / "token"
+    ca.cert_pem.write_to_path(str(ca_file))
+    token.write_text(secret + "\n")
+    caplog.set_level(logging.DEBUG)
+    # A long grace period: the three upstreams turn unready one probe apart, and the
+    # first must not lose its connections to the moment the others are still ready.
+    app = make_app([u.endpoint for u in ups], health_check="readyz",
+                   health_check_ca_file=str(ca_file), health_check_token_file=str(token),
+                   health_interval=INTERVAL, health_timeout=TIMEOUT, drain_timeout=30.0)
+    wait_until(lambda: all(u.ready for u in app.registry.snapshot().upstreams), 5)
+    with watch_on(app, ca, "up0") as stream:
+        token.write_text(secret + "\x07\n")  # a control character: never sent
+        wait_until(lambda: all(u.readiness == "unready"
+                               for u in app.registry.snapshot().upstreams), 5)
+        transitions = [r.getMessage() for r in caplog.records
+                       if "ready->unready" in r.getMessage()]
+        assert len(transitions) == 3, transitions
+        assert all(f"token file invalid: {token}: contains a control character" in line
+                   for line in transitions), transitions
+        assert not is_closed(stream, 1.0)  # nobody is ready: connections stay
+        assert http(app.health_address, "/healthz")[0] == 200
+        token.write_text(secret)
+        wait_until(lambda: all(u.ready for u in app.registry.snapshot().upstreams), 5)
+        assert not is_closed(stream, 0.2)
+    assert secret not in caplog.text
