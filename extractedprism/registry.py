@@ -245,7 +245,7 @@ class Registry:
                 mode=self._selection,
                 readyz=self._readyz,
                 rng=self._rng,
-                exclude=frozenset(exclude),
+                exclude=frozenset(exclude) if exclude else (),
             )
             if addr is None:
                 return None

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 MODES = ("random", "latency", "least-conn")
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ goes through object.__setattr__ per field,
+# and the registry builds one Candidate per upstream for every new connection.
+@dataclass(slots=True)
 class Candidate:
     address: str
     healthy: bool  # TCP health after the consecutive-failure threshold

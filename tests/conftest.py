@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import threading
 import time
@@ -46,13 +48,34 @@ def _open_fds() -> dict[int, str]:
     return out
 
 
+def _describe_sockets(fds: dict[int, str]) -> str:
+    """Local and remote address of each leaked TCP socket, to tell whose it is."""
+    inodes = {what[8:-1] for what in fds.values() if what.startswith("socket:[")}
+    found = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6", "/proc/self/net/udp",
+                  "/proc/self/net/udp6", "/proc/self/net/unix"):
+        try:
+            with open(table) as fh:
+                lines = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if table.endswith("unix") and len(f) > 6 and f[6] in inodes:
+                found.append(f"unix {' '.join(f[7:]) or '(unnamed)'}")
+            elif len(f) > 9 and f[9] in inodes:
+                found.append(f"{table.rsplit('/', 1)[1]} {f[1]}->{f[2]} st={f[3]}")
+    return f" ({', '.join(found)})" if found else ""
+
+
 def _new_fds(before: dict[int, str]) -> dict[int, str]:
     return {fd: what for fd, what in _open_fds().items() if before.get(fd) != what}
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_fds() -> Iterator[None]:
+def no_leaked_fds(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test whose file descriptors (sockets, kernel pipes, files) outlive it."""
+    tolerated = request.node.get_closest_marker("fd_leak_ok")
     before = _open_fds()
     yield
     deadline = time.monotonic() + 5.0
@@ -60,7 +83,18 @@ def no_leaked_fds() -> Iterator[None]:
     while leaked and time.monotonic() < deadline:  # threads that are ending close theirs
         time.sleep(0.05)
         leaked = _new_fds(before)
-    assert not leaked, f"file descriptors outlived the test: {sorted(leaked.values())}"
+    if leaked:
+        # Still open: held only by a reference cycle (an exception's traceback), say?
+        # The collector closes those, so they are not leaks; report what it leaves.
+        gc.collect()
+        leaked = _new_fds(before)
+    if leaked and tolerated is not None:
+        logging.getLogger(__name__).warning(
+            "tolerated leftover descriptors (%s): %s%s", tolerated.args[0],
+            sorted(leaked.values()), _describe_sockets(leaked))
+        return
+    assert not leaked, (f"file descriptors outlived the test: {sorted(leaked.values())}"
+                        f"{_describe_sockets(leaked)}")
 
 
 def fast_config(endpoints: list[Endpoint] | tuple[Endpoint, ...], **overrides: object) -> Config:

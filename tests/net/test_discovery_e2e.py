@@ -261,6 +261,11 @@ def test_malformed_slice_is_skipped_and_discovery_goes_on(
         assert app.stop()
 
 
+# The kubernetes client keeps the connection of a failed request (an ApiException holds
+# the unread response; urllib3 neither closes nor pools it) until the exception object
+# is freed, which a captured log record can delay past the test. Freed with it, so not
+# a leak of the proxy's; the guard reports it in the log instead of failing.
+@pytest.mark.fd_leak_ok("kubernetes client connections of failed requests")
 def test_failing_kubernetes_provider_leaves_static_serving(
         idents: dict[str, IdentityServer], tmp_path: Path) -> None:
     # the API answers every call with 500: discovery fails entirely, static keeps serving
