@@ -309,6 +309,7 @@ def test_410_ending_a_long_watch_rewatches_at_once(h: Harness) -> None:
 
 
 def test_http_410_on_the_rewatch_after_a_long_watch_rewatches_at_once(h: Harness) -> None:
+    h.api.too_old = "http"
     h.wait_watches(1)
     h.api.expire(notify_open=False)  # the open watch stays; its resourceVersion is now too old
     h.clock.advance(31)
@@ -320,6 +321,7 @@ def test_http_410_on_the_rewatch_after_a_long_watch_rewatches_at_once(h: Harness
 
 
 def test_http_410_after_a_short_watch_waits_for_backoff(h: Harness) -> None:
+    h.api.too_old = "http"
     h.wait_watches(1)
     h.api.expire(notify_open=False)
     h.api.close_streams()  # short: wait 1.125, re-watch -> HTTP 410, re-list, wait 2.25
@@ -331,7 +333,7 @@ def test_http_410_after_a_short_watch_waits_for_backoff(h: Harness) -> None:
 
 def test_410_event_on_a_new_watch_like_the_watch_cache(api: FakeApiServer,
                                                         sa_dir: Path) -> None:
-    api.too_old = "event"
+    assert api.too_old == "event"  # the fake's default, as the real watch cache answers
     h = Harness(api, sa_dir)
     h.provider.start()
     try:
