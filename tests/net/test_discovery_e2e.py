@@ -276,7 +276,10 @@ def test_bad_input_neither_stops_discovery_nor_drops_connections(
         api: FakeApiServer, idents: dict[str, IdentityServer], tmp_path: Path) -> None:
     port = idents["a"].port
     api.set_slice(make_slice("kubernetes", ["127.0.0.2"], port=port))
-    app = start_app(api, tmp_path, drain_timeout=0.3)
+    # Straight to the fake API server: through the proxy's own listener a re-watch could
+    # be routed to an identity server (no API server), a Watch failure counted on top.
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    app = start_app(api, tmp_path, drain_timeout=0.3, kubeconfig=str(kubeconfig))
     addr = f"127.0.0.2:{port}"
     try:
         wait_until(lambda: addr in pickable(app), 10)
