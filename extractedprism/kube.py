@@ -23,8 +23,9 @@ Why not ``kubernetes.watch.Watch.stream``: it re-opens a watch by itself after a
 ERROR event and after every clean end unless ``timeout_seconds`` is passed, and it
 crashes on a line that is not JSON or an event without ``object`` (kubernetes 37.0.2,
 ``watch/watch.py``). The watcher must see every end, every 410 and survive garbage, so
-this module reads the raw response with the client's own line splitter
-(``iter_resp_lines``) and always passes ``timeout_seconds``.
+this module reads the raw response itself, split into lines like the client's
+``iter_resp_lines`` (which drops an unterminated last line without a word; here it is
+logged), and always passes ``timeout_seconds``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import urllib3
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
-from kubernetes.watch.watch import iter_resp_lines
 
 from extractedprism import __version__
 from extractedprism.config import Config
@@ -58,6 +58,9 @@ LIST_READ_TIMEOUT = 30.0
 # A watch read may legitimately wait until the server's timeoutSeconds; past that
 # (plus slack) the connection is dead and the read deadline ends the stream.
 WATCH_READ_SLACK = 30.0
+# The reasons the API uses for an expired resourceVersion; client-go's IsResourceExpired
+# and IsGone go by these as much as by the code.
+GONE_REASONS = ("Expired", "Gone")
 
 
 class Gone(Exception):
@@ -183,11 +186,12 @@ class WatchStream:
 
     def __init__(self, resp: Any) -> None:
         self._resp = resp
+        self._partial = bytearray()  # bytes after the last newline
         self.ended_by = ""  # "end" or "dropped: <error>", for logging
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
-            for line in iter_resp_lines(self._resp):
+            for line in self._lines():
                 event = self._parse(line)
                 if event is not None:
                     yield event
@@ -198,6 +202,22 @@ class WatchStream:
             if not _dropped(exc):
                 raise
             self.ended_by = f"dropped: {type(exc).__name__}: {exc}"
+        if self._partial.strip():
+            # The event it began is not applied; the next watch starts from the last
+            # applied resourceVersion, so the server sends it again.
+            log.warning("watch line skipped reason=%r line=%.120r",
+                        "truncated: the stream ended inside it",
+                        self._partial.decode("utf-8", errors="replace"))
+
+    def _lines(self) -> Iterator[str]:
+        buf = self._partial
+        for segment in self._resp.stream(amt=None, decode_content=False):
+            buf.extend(segment if isinstance(segment, bytes) else str(segment).encode())
+            while (nl := buf.find(b"\n")) != -1:
+                # Invalid UTF-8 becomes U+FFFD, and the line then fails JSON parsing.
+                line = buf[:nl].decode("utf-8", errors="replace")
+                del buf[: nl + 1]
+                yield line
 
     @staticmethod
     def _parse(line: str) -> dict[str, Any] | None:
@@ -215,8 +235,8 @@ class WatchStream:
         if event["type"] == "ERROR":
             status = obj if isinstance(obj, dict) else {}
             code = status.get("code")
-            if code == 410:
-                raise Gone(f"watch error event 410 reason={status.get('reason')} "
+            if code == 410 or status.get("reason") in GONE_REASONS:
+                raise Gone(f"watch error event code={code} reason={status.get('reason')} "
                            f"message={status.get('message')}")
             raise WatchErrorEvent(code, status.get("reason"), status.get("message"))
         if not isinstance(obj, dict):

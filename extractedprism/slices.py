@@ -2,10 +2,40 @@
 
 Owns the translation of ``discovery.k8s.io/v1`` EndpointSlice objects, in their wire
 (JSON dict) form, into :class:`~extractedprism.endpoints.Endpoint` values. Called on the
-watcher thread by :mod:`extractedprism.watch` for every cached slice whenever the cache
-changes. Input comes from the network, so nothing here raises: every malformed piece
-(a missing field, a null list, a non-numeric or out-of-range port, an unknown address
-type, an address that is not a valid host) is skipped with one log line naming the slice.
+watcher thread by :mod:`extractedprism.watch`, once for every new content of a slice
+(the watcher remembers the result, so each problem is logged once, not on every event of
+every other slice). Input comes from the network, so nothing here raises.
+
+Two kinds of bad input, told apart because the watcher treats them differently:
+
+* a bad *entry* (an endpoint that is not an object, an address that is not valid for
+  the slice's ``addressType``): that entry is skipped with one log line naming the slice
+  and the field (``endpoints[1].addresses[0]``); the good endpoints of the same slice
+  are kept;
+* an unusable *slice* (not an object, unknown ``addressType``, ``endpoints`` or
+  ``ports`` of the wrong JSON type, no usable port, or every endpoint malformed):
+  :func:`parse_slice` returns None, with one log line naming the slice and the field,
+  and the watcher keeps what it last knew of that slice. The API server validates
+  slices, so this is corruption or a bug somewhere, not a control-plane change, and
+  must not drain live connections.
+
+A slice whose ``endpoints`` is missing, null or empty is valid and has no endpoints (the
+API server writes ``endpoints: null`` when no API server is left).
+
+Choices an operator may want to know:
+
+* port: the entry named ``https`` (the ``kubernetes`` service's port name); without
+  one, the first entry, as long as it has a usable number. A port with no number means
+  "all ports" in the API and gives nothing to dial.
+* readiness: only an explicit ``conditions.ready: false`` excludes an endpoint (spec);
+  missing conditions, ``ready: null`` or a non-boolean ``ready`` (logged) count as ready.
+* ``addressType: FQDN``: the addresses are used as given, like the Go original and like
+  a hostname in ``--endpoints``: each must be an RFC 1123 hostname; it is lowercased
+  (DNS is case-insensitive, so ``CP1.example.com`` and ``cp1.example.com`` are one
+  upstream) and resolved when dialled and probed.
+* IPv4 / IPv6 addresses must parse as an address of that family, without a zone
+  (``fe80::1%eth0``), which the API rejects too; IPv6 is normalised (``fd00:0::1`` ->
+  ``fd00::1``) and written in brackets downstream (``[fd00::1]:6443``).
 """
 
 from __future__ import annotations
@@ -21,6 +51,8 @@ log = logging.getLogger(__name__)
 
 ADDRESS_TYPES = ("IPv4", "IPv6", "FQDN")
 PREFERRED_PORT_NAME = "https"
+SERVICE_LABEL = "kubernetes.io/service-name"
+SERVICE_NAME = "kubernetes"
 
 
 def slice_name(obj: Any) -> str:
@@ -34,25 +66,58 @@ def slice_name(obj: Any) -> str:
     return "<unnamed>"
 
 
+def service_label(obj: Any) -> Any:
+    """The slice's ``kubernetes.io/service-name`` label (None when absent); never raises."""
+    if isinstance(obj, Mapping):
+        meta = obj.get("metadata")
+        labels = meta.get("labels") if isinstance(meta, Mapping) else None
+        if isinstance(labels, Mapping):
+            return labels.get(SERVICE_LABEL)
+    return None
+
+
+def slice_content(obj: Any) -> Any:
+    """What :func:`parse_slice` reads from a slice: equal contents parse the same."""
+    if not isinstance(obj, Mapping):
+        return obj
+    return (obj.get("addressType"), obj.get("endpoints"), obj.get("ports"))
+
+
+def _unusable(name: str, field: str, reason: str, value: Any = None) -> None:
+    log.warning("endpointslice unusable slice=%s field=%s reason=%r value=%.80r",
+                name, field, reason, value)
+
+
+def _skipped(name: str, field: str, reason: str, value: Any) -> None:
+    log.warning("endpointslice entry skipped slice=%s field=%s reason=%r value=%.80r",
+                name, field, reason, value)
+
+
 def _pick_port(obj: Mapping[str, Any], name: str) -> int | None:
     ports = obj.get("ports")
-    if not isinstance(ports, list) or not ports:
-        log.warning("endpointslice skipped slice=%s reason=%r", name, "no ports")
+    if ports is None or ports == []:
+        _unusable(name, "ports", "no ports (nothing to dial)", ports)
         return None
-    chosen: Any = None
-    for entry in ports:
-        if isinstance(entry, Mapping) and entry.get("name") == PREFERRED_PORT_NAME:
-            chosen = entry
-            break
-    if chosen is None:
-        chosen = ports[0]
+    if not isinstance(ports, list):
+        _unusable(name, "ports", "not a list", ports)
+        return None
+    index = next((i for i, p in enumerate(ports)
+                  if isinstance(p, Mapping) and p.get("name") == PREFERRED_PORT_NAME), 0)
+    chosen = ports[index]
+    field = f"ports[{index}]"
     if not isinstance(chosen, Mapping):
-        log.warning("endpointslice skipped slice=%s reason=%r", name, "malformed port entry")
+        _unusable(name, field, "not an object", chosen)
         return None
     port = chosen.get("port")
+    if port is None:
+        _unusable(name, f"{field}.port", "no port number (means all ports)", port)
+        return None
     # bool is an int subclass; JSON true is not a port.
-    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
-        log.warning("endpointslice skipped slice=%s reason=%r port=%r", name, "bad port", port)
+    if not isinstance(port, int) or isinstance(port, bool):
+        _unusable(name, f"{field}.port", "not a number", port)
+        return None
+    if not 1 <= port <= 65535:
+        _unusable(name, f"{field}.port", "outside 1-65535", port)
         return None
     return port
 
@@ -60,70 +125,87 @@ def _pick_port(obj: Mapping[str, Any], name: str) -> int | None:
 def _valid_address(address: Any, address_type: str) -> str | None:
     if not isinstance(address, str) or not address:
         return None
-    if address_type == "IPv4":
+    if address_type in ("IPv4", "IPv6"):
+        family = ipaddress.IPv4Address if address_type == "IPv4" else ipaddress.IPv6Address
         try:
-            return str(ipaddress.IPv4Address(address))
+            ip = family(address)
         except ValueError:
             return None
-    if address_type == "IPv6":
-        try:
-            return str(ipaddress.IPv6Address(address))
-        except ValueError:
-            return None
-    return address if is_rfc1123_hostname(address) else None
+        # A zone index (fe80::1%eth0) names an interface of the API server's host,
+        # meaningless here; the API rejects it as well.
+        return None if getattr(ip, "scope_id", None) else str(ip)
+    return address.lower() if is_rfc1123_hostname(address) else None
+
+
+def _ready(entry: Mapping[str, Any], name: str, field: str) -> bool:
+    conditions = entry.get("conditions")
+    if conditions is None:
+        return True
+    if not isinstance(conditions, Mapping):
+        _skipped(name, f"{field}.conditions", "not an object; counted as ready", conditions)
+        return True
+    ready = conditions.get("ready")
+    if ready is not None and not isinstance(ready, bool):
+        _skipped(name, f"{field}.conditions.ready", "not a boolean; counted as ready", ready)
+        return True
+    return ready is not False
+
+
+def parse_slice(obj: Any) -> list[Endpoint] | None:
+    """Endpoints of one slice (unsorted, may repeat), or None when the slice is unusable.
+
+    Every problem is logged once per call, naming the slice and the field; never raises.
+    """
+    name = slice_name(obj)
+    if not isinstance(obj, Mapping):
+        _unusable(name, "-", "not an object", obj)
+        return None
+    address_type = obj.get("addressType")
+    if address_type not in ADDRESS_TYPES:
+        _unusable(name, "addressType", "not IPv4, IPv6 or FQDN", address_type)
+        return None
+    endpoints = obj.get("endpoints")
+    if endpoints is None or endpoints == []:
+        return []
+    if not isinstance(endpoints, list):
+        _unusable(name, "endpoints", "not a list", endpoints)
+        return None
+    port = _pick_port(obj, name)
+    if port is None:
+        return None
+    out: list[Endpoint] = []
+    readable = 0
+    for i, entry in enumerate(endpoints):
+        field = f"endpoints[{i}]"
+        if not isinstance(entry, Mapping):
+            _skipped(name, field, "not an object", entry)
+            continue
+        addresses = entry.get("addresses")
+        if not isinstance(addresses, list) or not addresses:
+            _skipped(name, f"{field}.addresses", "no addresses list", addresses)
+            continue
+        hosts: list[str] = []
+        for j, address in enumerate(addresses):
+            host = _valid_address(address, address_type)
+            if host is None:
+                _skipped(name, f"{field}.addresses[{j}]",
+                         f"not a valid {address_type} address", address)
+            else:
+                hosts.append(host)
+        if not hosts:
+            continue
+        readable += 1
+        if _ready(entry, name, field):
+            out.extend(Endpoint(h, port) for h in hosts)
+    if not readable:
+        _unusable(name, "endpoints", "no endpoint could be read", len(endpoints))
+        return None
+    return out
 
 
 def endpoints_from_slice(obj: Any) -> list[Endpoint]:
-    """Endpoints of one slice (unsorted, may contain duplicates); never raises."""
-    name = slice_name(obj)
-    if not isinstance(obj, Mapping):
-        log.warning("endpointslice skipped slice=%s reason=%r", name, "not an object")
-        return []
-    address_type = obj.get("addressType")
-    if address_type not in ADDRESS_TYPES:
-        log.warning(
-            "endpointslice skipped slice=%s reason=%r address_type=%r",
-            name,
-            "unsupported address type",
-            address_type,
-        )
-        return []
-    endpoints = obj.get("endpoints")
-    if endpoints is None:
-        # A slice with no endpoints (e.g. every API server gone) is valid and empty.
-        return []
-    if not isinstance(endpoints, list):
-        log.warning("endpointslice skipped slice=%s reason=%r", name, "endpoints is not a list")
-        return []
-    if not endpoints:
-        return []
-    port = _pick_port(obj, name)
-    if port is None:
-        return []
-    out: list[Endpoint] = []
-    for entry in endpoints:
-        if not isinstance(entry, Mapping):
-            log.warning("endpoint skipped slice=%s reason=%r", name, "not an object")
-            continue
-        conditions = entry.get("conditions")
-        if isinstance(conditions, Mapping) and conditions.get("ready") is False:
-            continue
-        addresses = entry.get("addresses")
-        if not isinstance(addresses, list):
-            log.warning("endpoint skipped slice=%s reason=%r", name, "no addresses list")
-            continue
-        for address in addresses:
-            host = _valid_address(address, address_type)
-            if host is None:
-                log.warning(
-                    "endpoint address skipped slice=%s reason=%r address=%r",
-                    name,
-                    "invalid address",
-                    address,
-                )
-                continue
-            out.append(Endpoint(host, port))
-    return out
+    """Endpoints of one slice (unsorted, may repeat); [] when unusable; never raises."""
+    return parse_slice(obj) or []
 
 
 def endpoints_from_slices(objs: Iterable[Any]) -> list[Endpoint]:

@@ -26,6 +26,14 @@ injected clock from the moment the Watch call is made):
    watch open >= LONG, or hit the re-watch right after such a watch closed cleanly;
    otherwise it waits for the backoff. A failed list waits for the backoff and retries.
 
+The cache keeps, per slice name, the slice's content and the endpoints parsed from it
+(:func:`~extractedprism.slices.parse_slice`). A slice is parsed, and its problems
+logged, only when its content changes, not on every event of every other slice or on
+every re-list. A slice that cannot be used at all keeps the endpoints it last had, so
+corrupt input never drains live connections; a slice labelled for another service
+(which the label selector should have kept out) is dropped from the cache, as the API
+server's own DELETED event would do when a slice leaves the selector.
+
 ``discovery_errors_total{provider="kubernetes"}`` counts failed lists/re-lists, failed
 Watch calls, watch ERROR events (other than 410) and provider failures (the thread
 dying); never a stream end or a 410. Waits go through ``sleep`` (default
@@ -40,14 +48,21 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from extractedprism.backoff import Backoff
 from extractedprism.config import Config
 from extractedprism.endpoints import Endpoint
 from extractedprism.kube import Gone, KubeClient, WatchStream, build_client
 from extractedprism.metrics import Metrics
-from extractedprism.slices import endpoints_from_slices, slice_name
+from extractedprism.slices import (
+    SERVICE_LABEL,
+    SERVICE_NAME,
+    parse_slice,
+    service_label,
+    slice_content,
+    slice_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +71,11 @@ LONG_WATCH_S = 30.0
 # client-go picks each watch's timeoutSeconds at random in [5 min, 10 min) so a fleet of
 # watchers does not reconnect in lock-step.
 WATCH_TIMEOUT_RANGE_S = (300, 600)
+
+
+class _Cached(NamedTuple):
+    content: Any  # slice_content(): what the endpoints were parsed from
+    endpoints: list[Endpoint]
 
 
 class KubernetesProvider:
@@ -89,7 +109,7 @@ class KubernetesProvider:
         self._stream_lock = threading.Lock()
         self._open_stream: WatchStream | None = None
         self._failed = False
-        self._cache: dict[str, dict[str, Any]] = {}
+        self._cache: dict[str, _Cached] = {}
         self._sent: list[Endpoint] | None = None
         self._rv = ""
 
@@ -223,14 +243,17 @@ class KubernetesProvider:
 
     def _list(self, client: KubeClient) -> None:
         items, rv = client.list_slices()
-        cache: dict[str, dict[str, Any]] = {}
+        old = self._cache
+        cache: dict[str, _Cached] = {}
         for obj in items:
             name = _valid_name(obj)
             if name is None:
-                log.warning("endpointslice skipped slice=%s reason=%r", slice_name(obj),
-                            "no metadata.name")
+                log.warning("endpointslice skipped slice=%s field=metadata.name reason=%r",
+                            slice_name(obj), "missing")
                 continue
-            cache[name] = obj
+            if not _ours(obj, name):
+                continue
+            cache[name] = self._parsed(name, obj, old.get(name))
         self._cache = cache
         self._rv = rv
         log.info("endpointslices listed slices=%d resource_version=%s", len(cache), rv)
@@ -261,32 +284,63 @@ class KubernetesProvider:
         if kind == "BOOKMARK":
             if isinstance(rv, str) and rv:
                 self._rv = rv
+            else:
+                log.warning("watch event skipped type=BOOKMARK field=metadata.resourceVersion "
+                            "reason=%r value=%.40r", "missing or not a string", rv)
             return
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
-            log.warning("watch event skipped type=%r reason=%r", kind, "unknown type")
+            log.warning("watch event skipped type=%.40r slice=%s reason=%r", kind,
+                        slice_name(obj), "unknown type")
             return
         name = _valid_name(obj)
         if name is None:
-            log.warning("watch event skipped type=%s slice=%s reason=%r", kind, slice_name(obj),
-                        "no metadata.name")
+            log.warning("watch event skipped type=%s slice=%s field=metadata.name reason=%r",
+                        kind, slice_name(obj), "missing")
             return
         if isinstance(rv, str) and rv:
             self._rv = rv
         if kind == "DELETED":
-            self._cache.pop(name, None)
+            if self._cache.pop(name, None) is None:
+                log.debug("watch event for an unknown slice type=DELETED slice=%s", name)
+        elif _ours(obj, name):
+            self._cache[name] = self._parsed(name, obj, self._cache.get(name))
         else:
-            self._cache[name] = obj
+            self._cache.pop(name, None)
         log.debug("watch event type=%s slice=%s resource_version=%s", kind, name, rv)
         self._publish()
 
+    @staticmethod
+    def _parsed(name: str, obj: dict[str, Any], old: _Cached | None) -> _Cached:
+        """The cache entry for ``obj``; parses (and logs) only when its content changed."""
+        content = slice_content(obj)
+        if old is not None and old.content == content:
+            return _Cached(content, old.endpoints)
+        endpoints = parse_slice(obj)
+        if endpoints is not None:
+            return _Cached(content, endpoints)
+        kept = old.endpoints if old is not None else []
+        log.warning("endpointslice ignored slice=%s; keeping its last endpoints=%s", name,
+                    ",".join(str(e) for e in kept) or "-")
+        return _Cached(content, kept)
+
     def _publish(self) -> None:
-        endpoints = endpoints_from_slices(self._cache.values())
+        endpoints = sorted({e for c in self._cache.values() for e in c.endpoints})
         if endpoints == self._sent:
             return
         self._sent = endpoints
         log.info("kubernetes endpoints changed endpoints=%s",
                  ",".join(str(e) for e in endpoints) or "-")
         self._on_update(list(endpoints))
+
+
+def _ours(obj: dict[str, Any], name: str) -> bool:
+    """True when the slice belongs to the ``kubernetes`` service; logs why not."""
+    label = service_label(obj)
+    if label == SERVICE_NAME:
+        return True
+    log.warning("endpointslice ignored slice=%s field=metadata.labels[%s] reason=%r "
+                "value=%.80r", name, SERVICE_LABEL, "not the kubernetes service", label)
+    return False
 
 
 def _valid_name(obj: Any) -> str | None:

@@ -6,21 +6,34 @@ a ``Status`` otherwise), and the two calls the watcher makes, in the wire format
 Kubernetes API (https://kubernetes.io/docs/reference/using-api/api-concepts/):
 
 * ``GET /apis/discovery.k8s.io/v1/namespaces/<ns>/endpointslices?labelSelector=...``
-  -> ``EndpointSliceList`` with ``metadata.resourceVersion``;
+  -> ``EndpointSliceList`` with ``metadata.resourceVersion``; its items carry no
+  ``kind``/``apiVersion`` (the real server leaves them out of list items). With
+  ``limit=N`` at most N items and, when more remain, ``metadata.continue`` (an opaque
+  token) and ``metadata.remainingItemCount``; ``continue=<token>`` returns the next page
+  at the first page's resourceVersion, or 410 Expired once that was compacted. (Unlike
+  the real server, later pages show the current objects, not a snapshot.)
 * the same path with ``watch=true&resourceVersion=...&allowWatchBookmarks=true&
   timeoutSeconds=...`` -> ``Transfer-Encoding: chunked`` newline-delimited JSON events
   ``{"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, "object": {...}}`` with increasing
   resourceVersions. The stream ends cleanly (terminating chunk) after ``timeoutSeconds``.
-  A resourceVersion older than the last compaction gets ``410 Gone`` (an HTTP 410 with a
-  ``Status`` body by default, or, with ``too_old="event"``, a 200 stream holding one
-  ERROR event whose ``Status`` has code 410 and reason ``Expired``, as the watch cache
-  sends it). Without a resourceVersion (or "0") the stream starts with synthetic ADDED
-  events for the current objects, as the real server does.
+  Events are computed per watch against its label selector, as the watch cache does: a
+  slice that starts matching arrives as ADDED, one that stops matching as DELETED
+  (carrying its last matching content at the new resourceVersion). A BOOKMARK's object
+  is an empty EndpointSlice holding only ``metadata.resourceVersion`` (zero-valued
+  ``addressType``, ``endpoints``, ``ports``). A resourceVersion older than the last
+  compaction gets 410: by default a 200 stream holding one ERROR event whose ``Status``
+  has code 410 and reason ``Expired`` (``too old resource version: 5 (101)``), as the
+  watch cache answers; with ``too_old="http"`` an HTTP 410 with that ``Status`` body.
+  Without a resourceVersion (or "0") the stream starts with synthetic ADDED events for
+  the current objects, as the real server does; with ``sendInitialEvents=true`` (which
+  needs ``resourceVersionMatch=NotOlderThan`` and ``allowWatchBookmarks=true``, else 422)
+  those are followed by a BOOKMARK annotated ``k8s.io/initial-events-end: "true"``.
 
 It also answers ``/readyz``, ``/livez``, ``/healthz`` and ``/version`` without a token, so
 it can sit behind the proxy as an upstream. Tests drive it with :meth:`set_slice`,
 :meth:`delete_slice`, :meth:`close_streams`, :meth:`drop_streams`, :meth:`expire`,
-:meth:`inject_raw`, :meth:`send_error_event`, :meth:`send_bookmark` and :meth:`fail`, and
+:meth:`inject_raw`, :meth:`send_error_event`, :meth:`send_bookmark`, :meth:`fail` and
+:meth:`serve_next_list`, and
 read :attr:`requests` (every request with its monotonic time, path and query).
 
 Threads: one ``fake-apiserver`` accept thread plus one handler thread per connection;
@@ -29,6 +42,7 @@ Threads: one ``fake-apiserver`` accept thread plus one handler thread per connec
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import json
@@ -50,6 +64,7 @@ import trustme
 log = logging.getLogger(__name__)
 
 SERVICE_LABEL = "kubernetes.io/service-name"
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 SLICES_PREFIX = "/apis/discovery.k8s.io/v1/namespaces/"
 SERVER_NAMES = ("kubernetes.default.svc", "kubernetes.default", "localhost", "127.0.0.1", "::1")
 
@@ -77,8 +92,9 @@ def make_slice(
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "labels": {SERVICE_LABEL: service, "endpointslice.kubernetes.io/managed-by":
-                       "endpointslicemirroring-controller.k8s.io"},
+            # The API server's endpoint reconciler writes the kubernetes service's slice
+            # with this one label.
+            "labels": {SERVICE_LABEL: service},
         },
         "addressType": address_type,
         "endpoints": [
@@ -100,8 +116,9 @@ def status_object(code: int, reason: str, message: str) -> dict[str, Any]:
     }
 
 
-_REASONS = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 410: "Expired",
-            429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable"}
+_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
+            410: "Expired", 422: "Invalid", 429: "TooManyRequests", 500: "InternalError",
+            503: "ServiceUnavailable", 504: "Timeout"}
 
 
 @dataclass(frozen=True)
@@ -123,6 +140,7 @@ class RecordedRequest:
 
 @dataclass(eq=False)
 class _Stream:
+    namespace: str
     selector: dict[str, str]
     bookmarks: bool
     q: queue.Queue[Any] = field(default_factory=queue.Queue)
@@ -151,6 +169,54 @@ def _parse_selector(text: str) -> dict[str, str] | None:
 def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
     labels = (obj.get("metadata") or {}).get("labels") or {}
     return all(labels.get(k) == v for k, v in selector.items())
+
+
+@dataclass(frozen=True)
+class _Change:
+    """One stored change: ``obj`` at ``rv`` (None: deleted), ``prev`` the object before."""
+
+    rv: int
+    namespace: str
+    obj: dict[str, Any] | None
+    prev: dict[str, Any] | None
+
+    def event(self, namespace: str, selector: dict[str, str]) -> bytes | None:
+        """The watch line a watcher of (namespace, selector) gets, or None (the watch
+        cache's rule: ADDED on entering the selector, DELETED on leaving it)."""
+        if self.namespace != namespace:
+            return None
+        now = self.obj is not None and _matches(self.obj, selector)
+        before = self.prev is not None and _matches(self.prev, selector)
+        if now and not before:
+            kind, obj = "ADDED", self.obj
+        elif now:
+            kind, obj = "MODIFIED", self.obj
+        elif before:
+            assert self.prev is not None
+            kind, obj = "DELETED", copy.deepcopy(self.prev)
+            obj["metadata"]["resourceVersion"] = str(self.rv)
+        else:
+            return None
+        return _line(kind, obj)
+
+
+def _line(kind: str, obj: dict[str, Any]) -> bytes:
+    return json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+
+
+def _continue_token(rv: int, start: str) -> str:
+    # Shaped like the real token (base64 JSON with the list's resourceVersion and the
+    # key to start after); clients must treat it as opaque.
+    raw = json.dumps({"v": "meta.k8s.io/v1", "rv": rv, "start": start + "\x00"})
+    return base64.urlsafe_b64encode(raw.encode()).decode()
+
+
+def _parse_continue(token: str) -> tuple[int, str] | None:
+    try:
+        data = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return int(data["rv"]), str(data["start"]).rstrip("\x00")
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 class _Server(ThreadingHTTPServer):
@@ -237,7 +303,7 @@ class FakeApiServer:
     """See the module docstring. Use as a context manager or call start()/stop()."""
 
     def __init__(self, token: str = "fake-sa-token", *, host: str = "127.0.0.1",
-                 too_old: str = "http", names: Iterable[str] = SERVER_NAMES) -> None:
+                 too_old: str = "event", names: Iterable[str] = SERVER_NAMES) -> None:
         self.host = host
         self.too_old = too_old
         self.tokens = {token}
@@ -251,9 +317,10 @@ class FakeApiServer:
         self._rv = 100
         self._min_rv = 0  # watches from a resourceVersion below this get 410
         self._slices: dict[tuple[str, str], dict[str, Any]] = {}
-        self._history: list[tuple[int, str, dict[str, Any]]] = []
+        self._history: list[_Change] = []
         self._streams: list[_Stream] = []
         self._failures: list[_Failure] = []
+        self._list_bodies: list[Any] = []
         self.requests: list[RecordedRequest] = []
         self._threads: list[threading.Thread] = []
         self._conns: set[Any] = set()
@@ -357,35 +424,39 @@ class FakeApiServer:
             return self._rv
 
     def set_slice(self, obj: dict[str, Any]) -> int:
-        """Create (ADDED) or replace (MODIFIED) a slice; returns its new resourceVersion."""
+        """Create or replace a slice; returns its new resourceVersion.
+
+        Each watch sees ADDED, MODIFIED or DELETED depending on whether the old and new
+        objects match its label selector (see the module docstring).
+        """
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
-        key = (meta.get("namespace", "default"), meta["name"])
+        meta.setdefault("namespace", "default")
+        key = (meta["namespace"], meta["name"])
         with self._lock:
             self._rv += 1
             meta["resourceVersion"] = str(self._rv)
-            kind = "MODIFIED" if key in self._slices else "ADDED"
+            prev = self._slices.get(key)
             self._slices[key] = obj
-            self._publish(kind, obj)
+            self._publish(_Change(self._rv, key[0], obj, prev))
             return self._rv
 
     def delete_slice(self, name: str, namespace: str = "default") -> int:
         with self._lock:
-            obj = copy.deepcopy(self._slices.pop((namespace, name)))
+            obj = self._slices.pop((namespace, name))
             self._rv += 1
-            obj["metadata"]["resourceVersion"] = str(self._rv)
-            self._publish("DELETED", obj)
+            self._publish(_Change(self._rv, namespace, None, obj))
             return self._rv
 
     def slices(self) -> list[dict[str, Any]]:
         with self._lock:
             return [copy.deepcopy(o) for o in self._slices.values()]
 
-    def _publish(self, kind: str, obj: dict[str, Any]) -> None:
-        self._history.append((self._rv, kind, obj))
-        line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+    def _publish(self, change: _Change) -> None:
+        self._history.append(change)
         for s in self._streams:
-            if _matches(obj, s.selector):
+            line = change.event(s.namespace, s.selector)
+            if line is not None:
                 s.q.put(line)
 
     # --- test controls: streams ---
@@ -406,11 +477,14 @@ class FakeApiServer:
             for s in self._streams:
                 s.q.put(_DROP)
 
-    def inject_raw(self, line: bytes) -> None:
-        """Send raw bytes (a line of garbage, say) to every open watch."""
+    def inject_raw(self, line: bytes, *, newline: bool = True) -> None:
+        """Send raw bytes (a line of garbage, say) to every open watch; with
+        ``newline=False`` exactly those bytes (the start of a line the stream then cuts)."""
+        if newline and not line.endswith(b"\n"):
+            line += b"\n"
         with self._lock:
             for s in self._streams:
-                s.q.put(line if line.endswith(b"\n") else line + b"\n")
+                s.q.put(line)
 
     def send_error_event(self, code: int = 500, reason: str | None = None,
                          message: str = "injected error", *, end: bool = True) -> None:
@@ -431,10 +505,15 @@ class FakeApiServer:
                     s.q.put(line)
 
     @staticmethod
-    def _bookmark(rv: int) -> dict[str, Any]:
+    def _bookmark(rv: int, *, initial_events_end: bool = False) -> dict[str, Any]:
+        # An empty object of the watched type with only the resourceVersion set; Go
+        # serialises the fields without omitempty as zero values.
+        meta: dict[str, Any] = {"resourceVersion": str(rv), "creationTimestamp": None}
+        if initial_events_end:
+            meta["annotations"] = {INITIAL_EVENTS_END: "true"}
         return {"type": "BOOKMARK", "object": {
-            "kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1",
-            "metadata": {"resourceVersion": str(rv), "creationTimestamp": None}}}
+            "kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1", "metadata": meta,
+            "addressType": "", "endpoints": None, "ports": None}}
 
     def expire(self, *, notify_open: bool = True) -> None:
         """Compact: every resourceVersion seen so far is too old to watch from.
@@ -461,6 +540,11 @@ class FakeApiServer:
         assert kind in ("list", "watch", "any")
         with self._lock:
             self._failures.append(_Failure(kind, status, count))
+
+    def serve_next_list(self, body: Any) -> None:
+        """Answer the next list call with 200 and ``body`` (any JSON) instead of the list."""
+        with self._lock:
+            self._list_bodies.append(body)
 
     def clear_failures(self) -> None:
         with self._lock:
@@ -519,12 +603,46 @@ class FakeApiServer:
         if req.is_watch:
             self._serve_watch(h, namespace, selector, query)
         else:
-            with self._lock:
-                items = [copy.deepcopy(o) for (ns, _), o in sorted(self._slices.items())
-                         if ns == namespace and _matches(o, selector)]
-                rv = self._rv
-            h.send_json(200, {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
-                              "metadata": {"resourceVersion": str(rv)}, "items": items})
+            self._serve_list(h, namespace, selector, query)
+
+    def _serve_list(self, h: _Handler, namespace: str, selector: dict[str, str],
+                    query: dict[str, str]) -> None:
+        try:
+            limit = int(query.get("limit") or 0)
+        except ValueError:
+            h.send_status(400, f"invalid limit {query.get('limit')!r}")
+            return
+        start = ""
+        with self._lock:
+            body = self._list_bodies.pop(0) if self._list_bodies else None
+        if body is not None:
+            h.send_json(200, body)
+            return
+        with self._lock:
+            rv = self._rv
+            if query.get("continue"):
+                parsed = _parse_continue(query["continue"])
+                if parsed is None:
+                    h.send_status(400, "continue key is not valid")
+                    return
+                rv, start = parsed
+                if rv < self._min_rv:
+                    h.send_status(410, "The provided continue parameter is too old to "
+                                       "display a consistent list result. You can start a "
+                                       "new list without the continue parameter.")
+                    return
+            items = [copy.deepcopy(o) for (ns, name), o in sorted(self._slices.items())
+                     if ns == namespace and name > start and _matches(o, selector)]
+        meta: dict[str, Any] = {"resourceVersion": str(rv)}
+        if limit > 0 and len(items) > limit:
+            meta["continue"] = _continue_token(rv, items[limit - 1]["metadata"]["name"])
+            meta["remainingItemCount"] = len(items) - limit
+            items = items[:limit]
+        for o in items:  # list items carry no kind/apiVersion on the wire
+            o.pop("kind", None)
+            o.pop("apiVersion", None)
+        h.send_json(200, {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+                          "metadata": meta, "items": items})
 
     def _take_failure(self, kind: str) -> int | None:
         with self._lock:
@@ -545,13 +663,22 @@ class FakeApiServer:
             h.send_status(400, "invalid timeoutSeconds")
             return
         rv_text = query.get("resourceVersion", "")
-        stream = _Stream(selector, query.get("allowWatchBookmarks") in ("true", "1"))
+        stream = _Stream(namespace, selector, query.get("allowWatchBookmarks") in ("true", "1"))
+        initial = query.get("sendInitialEvents") in ("true", "1")
+        if initial and (query.get("resourceVersionMatch") != "NotOlderThan"
+                        or not stream.bookmarks):
+            h.send_status(422, "sendInitialEvents requires resourceVersionMatch=NotOlderThan "
+                               "and allowWatchBookmarks=true")
+            return
         too_old = False
         with self._lock:
-            if rv_text in ("", "0"):
+            if rv_text in ("", "0") or initial:
                 for (ns, _), o in sorted(self._slices.items()):
                     if ns == namespace and _matches(o, selector):
-                        stream.q.put(json.dumps({"type": "ADDED", "object": o}).encode() + b"\n")
+                        stream.q.put(_line("ADDED", o))
+                if initial:
+                    stream.q.put(json.dumps(self._bookmark(
+                        self._rv, initial_events_end=True)).encode() + b"\n")
             else:
                 try:
                     rv = int(rv_text)
@@ -560,9 +687,10 @@ class FakeApiServer:
                 if rv < self._min_rv:
                     too_old = True
                 else:
-                    for ev_rv, kind, o in self._history:
-                        if ev_rv > rv and _matches(o, selector):
-                            stream.q.put(json.dumps({"type": kind, "object": o}).encode() + b"\n")
+                    for change in self._history:
+                        line = change.event(namespace, selector) if change.rv > rv else None
+                        if line is not None:
+                            stream.q.put(line)
             if not too_old:
                 self._streams.append(stream)
             current = self._rv

@@ -296,3 +296,83 @@ def test_no_service_account_runs_static_only(
         assert not app.discovery.running
     finally:
         assert app.stop()
+
+
+def test_bad_input_neither_stops_discovery_nor_drops_connections(
+        api: FakeApiServer, idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    port = idents["a"].port
+    api.set_slice(make_slice("kubernetes", ["127.0.0.2"], port=port))
+    # Straight to the fake API server: through the proxy's own listener a re-watch could
+    # be routed to an identity server (no API server), a Watch failure counted on top.
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    app = start_app(api, tmp_path, drain_timeout=0.3, kubeconfig=str(kubeconfig))
+    addr = f"127.0.0.2:{port}"
+    try:
+        wait_until(lambda: addr in pickable(app), 10)
+        s = hold(app, "a")
+        with s:
+            corrupt = make_slice("kubernetes", ["127.0.0.2"], port=port)
+            for broken in ({"ports": None}, {"ports": [{"name": "https", "port": 0}]},
+                           {"endpoints": "127.0.0.2"}, {"addressType": "IPv5"},
+                           {"endpoints": [{"addresses": ["127.0.0.300"]}]}):
+                api.set_slice(corrupt | broken)
+            for raw in (b"not json", b'{"type":"ADDED","object":{"metadata":{"name":"x',
+                        b'{"type":"NOPE","object":{"metadata":{"name":"kubernetes"}}}',
+                        b'{"type":"BOOKMARK","object":{"metadata":{}}}',
+                        b'{"type":"DELETED","object":{"metadata":{"name":"ghost"}}}'):
+                api.inject_raw(raw)
+            api.set_slice(make_slice("kubernetes-other", ["127.0.0.9"], port=port,
+                                     service="not-kubernetes"))
+            api.send_error_event(403, message="forbidden, say")  # counted; re-watch
+            wait_until(lambda: len(api.watch_requests()) >= 2 and api.open_streams() == 1, 10,
+                       message="re-watch after the ERROR event")
+            # a marker: once it is applied, everything before it has been too
+            api.set_slice(make_slice("kubernetes-2", ["127.0.0.3"], port=port))
+            wait_until(lambda: f"127.0.0.3:{port}" in upstreams(app), 10, message="marker")
+            u = app.registry.snapshot().get(addr)
+            assert u is not None and not u.draining and addr in pickable(app)
+            assert echoes(s)
+            assert f"127.0.0.9:{port}" not in upstreams(app)
+        assert app.metrics.sample(ERRORS, {"provider": "kubernetes"}) == 1
+        assert app.discovery is not None and app.discovery.running
+        assert app.discovery.is_healthy()
+    finally:
+        assert app.stop()
+
+
+def test_emptying_the_only_slice_leaves_the_static_endpoints(
+        api: FakeApiServer, idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    port = idents["a"].port
+    api.set_slice(make_slice("kubernetes", ["127.0.0.2"], port=port))
+    app = start_app(api, tmp_path, drain_timeout=0.0)
+    static = f"127.0.0.1:{api.port}"
+    try:
+        wait_until(lambda: upstreams(app) == {static, f"127.0.0.2:{port}"}, 10)
+        # what the API server's reconciler writes when no API server is left
+        api.set_slice(make_slice("kubernetes", [], port=port) | {"endpoints": None,
+                                                                 "ports": None})
+        wait_until(lambda: upstreams(app) == {static}, 10, message="static only")
+        assert pickable(app) == {static}
+        assert app.merger.current() == [Endpoint("127.0.0.1", api.port)]
+        assert app.metrics.sample(ERRORS, {"provider": "kubernetes"}) in (None, 0.0)
+    finally:
+        assert app.stop()
+
+
+def test_ipv6_slice_endpoints_are_dialled_in_brackets(
+        api: FakeApiServer, tmp_path: Path) -> None:
+    try:
+        v6 = IdentityServer(name="v6", host="::1").start()
+    except OSError as exc:  # pragma: no cover - no IPv6 loopback here
+        pytest.skip(f"no ::1: {exc}")
+    try:
+        api.set_slice(make_slice("kubernetes", ["0:0:0:0:0:0:0:1"], port=v6.port,
+                                 address_type="IPv6"))
+        app = start_app(api, tmp_path)
+        try:
+            wait_until(lambda: f"[::1]:{v6.port}" in pickable(app), 10)
+            assert seen_names(app, {"v6"}) == {"v6"}
+        finally:
+            assert app.stop()
+    finally:
+        v6.stop()

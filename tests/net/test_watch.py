@@ -6,6 +6,7 @@ decides on is checked exactly; one test checks the real 1 s first backoff and it
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -166,7 +167,8 @@ def test_garbage_in_the_stream_is_skipped(h: Harness, caplog: pytest.LogCaptureF
                 b'{"type":"ADDED","object":{"metadata":{}}}',
                 b'{"type":"ADDED","object":"a string"}',
                 b'{"type":"WEIRD","object":{"metadata":{"name":"x"}}}',
-                b'{"type":"ADDED","object":{"metadata":{"name":"bad","resourceVersion":"1"},'
+                b'{"type":"ADDED","object":{"metadata":{"name":"bad","resourceVersion":"1",'
+                b'"labels":{"kubernetes.io/service-name":"kubernetes"}},'
                 b'"addressType":"IPv4","endpoints":[{"addresses":["10.9.9.9"]}],'
                 b'"ports":[{"port":"https"}]}}',
                 b'\xff\xfe\x00garbage', b"{", b""):
@@ -176,7 +178,7 @@ def test_garbage_in_the_stream_is_skipped(h: Harness, caplog: pytest.LogCaptureF
     assert h.provider.running
     assert h.errors() == 0
     assert len(h.api.watch_requests()) == 1
-    assert "slice=bad" in caplog.text
+    assert "slice=bad field=ports[0].port" in caplog.text
     assert "not JSON" in caplog.text
 
 
@@ -192,6 +194,237 @@ def test_bookmark_advances_the_resource_version(h: Harness) -> None:
     assert h.api.watch_requests()[1].query["resourceVersion"] == rv
     assert h.kinds() == ["L", "W", "W"]
     assert h.errors() == 0
+
+
+# --- bad input through the real list/watch path ------------------------------------
+
+
+def raw_event(kind: str, obj: dict[str, Any]) -> bytes:
+    return json.dumps({"type": kind, "object": obj}).encode()
+
+
+def slice_warnings(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and f"slice={name}" in r.getMessage()]
+
+
+def test_a_bad_slice_is_logged_once_not_on_every_event_or_relist(
+        api: FakeApiServer, sa_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    bad = make_slice("kubernetes-bad", ["10.0.0.9"])
+    bad["ports"] = [{"name": "https", "port": 70000}]
+    api.set_slice(bad)
+    h = Harness(api, sa_dir)
+    h.provider.start()
+    try:
+        h.wait_watches(1)
+        for i in range(3):  # events of other slices recompute from the whole cache
+            api.set_slice(make_slice(f"kubernetes-{i}", [f"10.0.1.{i}"]))
+        wait_until(lambda: "10.0.1.2:6443" in h.last_endpoints())
+        api.set_slice(bad)  # a new resourceVersion, same content
+        h.clock.advance(31)
+        api.expire()  # 410: the re-list brings the bad slice again
+        h.wait_watches(2)
+        api.set_slice(make_slice("kubernetes-9", ["10.0.1.9"]))
+        wait_until(lambda: "10.0.1.9:6443" in h.last_endpoints())
+        lines = slice_warnings(caplog, "kubernetes-bad")
+        assert len(lines) == 2, lines  # what is wrong, and what is done about it
+        assert "field=ports[0].port" in lines[0] and "outside 1-65535" in lines[0]
+        assert "10.0.0.9:6443" not in h.last_endpoints()
+        assert h.errors() == 0
+    finally:
+        assert h.provider.stop_and_join(5)
+
+
+def test_an_unusable_update_keeps_the_slices_last_endpoints(
+        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    h.wait_watches(1)
+    assert h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.2:6443"]
+    n = len(h.updates)
+    for broken in ({"ports": None}, {"ports": [{"name": "https"}]}, {"endpoints": "x"},
+                   {"addressType": "AppleTalk"},
+                   {"endpoints": [{"addresses": ["not-an-ip"]}]}):
+        h.api.set_slice(make_slice("kubernetes", ["10.0.0.1", "10.0.0.2"]) | broken)
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.3"]))  # marks the end of the above
+    wait_until(lambda: "10.0.0.3:6443" in h.last_endpoints())
+    # the corrupt updates did not remove (and so drain) the slice's endpoints
+    assert [[str(e) for e in u] for u in h.updates[n:]] == [
+        ["10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"]]
+    lines = slice_warnings(caplog, "kubernetes")
+    fields = {m.split("field=")[1].split()[0] for m in lines if "field=" in m}
+    assert fields == {"ports", "ports[0].port", "endpoints", "addressType",
+                      "endpoints[0].addresses[0]"}
+    assert sum("keeping its last endpoints=10.0.0.1:6443,10.0.0.2:6443" in m
+               for m in lines) == 5
+    # a valid update, even an empty one, is applied as usual
+    h.api.set_slice(make_slice("kubernetes", ["10.0.0.2"]))
+    wait_until(lambda: h.last_endpoints() == ["10.0.0.2:6443", "10.0.0.3:6443"])
+    h.api.set_slice(make_slice("kubernetes", []))
+    wait_until(lambda: h.last_endpoints() == ["10.0.0.3:6443"])
+    assert h.errors() == 0
+
+
+def test_a_malformed_endpoint_does_not_hide_the_good_ones_of_its_slice(
+        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    h.wait_watches(1)
+    obj = make_slice("kubernetes", ["10.0.0.1"])
+    obj["endpoints"] = [
+        {"addresses": ["10.0.0.1"]},  # no conditions: ready
+        {"addresses": None, "conditions": {"ready": True}},
+        {"addresses": ["10.0.0.300"], "conditions": {"ready": True}},
+        {"addresses": ["10.0.0.3"], "conditions": {"ready": None}},  # null: ready
+        {"addresses": ["10.0.0.4"], "conditions": {"ready": False}},
+    ]
+    h.api.set_slice(obj)
+    wait_until(lambda: h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.3:6443"])
+    lines = slice_warnings(caplog, "kubernetes")
+    assert len(lines) == 2
+    assert "field=endpoints[1].addresses " in lines[0]
+    assert "field=endpoints[2].addresses[0] " in lines[1] and "10.0.0.300" in lines[1]
+
+
+def test_duplicates_across_slices_count_once(h: Harness) -> None:
+    h.wait_watches(1)
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.2", "10.0.0.1"]))
+    h.api.delete_slice("kubernetes")
+    wait_until(lambda: h.api.open_streams() == 1 and h.provider._rv == str(
+        h.api.resource_version))
+    assert h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.2:6443"]
+
+
+def test_ipv6_and_fqdn_slices(h: Harness) -> None:
+    h.wait_watches(1)
+    h.api.set_slice(make_slice("kubernetes-v6", ["fd00:0::1"], address_type="IPv6"))
+    h.api.set_slice(make_slice("kubernetes-fqdn", ["CP1.example.com"], address_type="FQDN",
+                               port=443))
+    wait_until(lambda: h.last_endpoints() == [
+        "10.0.0.1:6443", "10.0.0.2:6443", "cp1.example.com:443", "[fd00::1]:6443"])
+
+
+def test_a_slice_of_another_service_is_ignored_even_if_the_server_sends_it(
+        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    h.wait_watches(1)
+    foreign = make_slice("kubernetes", ["10.9.9.9"], service="evil")
+    foreign["metadata"]["resourceVersion"] = str(h.api.resource_version + 1)
+    # a server (or something in between) that ignores the label selector
+    h.api.inject_raw(raw_event("MODIFIED", foreign))
+    h.api.inject_raw(raw_event("ADDED", foreign | {"metadata": foreign["metadata"]
+                                                   | {"name": "other"}}))
+    wait_until(lambda: h.last_endpoints() == [])
+    assert len(slice_warnings(caplog, "kubernetes")) == 1
+    assert "not the kubernetes service" in slice_warnings(caplog, "other")[0]
+    assert h.errors() == 0
+
+
+def test_a_slice_leaving_the_selector_arrives_as_deleted(h: Harness) -> None:
+    h.wait_watches(1)
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.3"]))
+    wait_until(lambda: "10.0.0.3:6443" in h.last_endpoints())
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.3"], service="other"))
+    wait_until(lambda: h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.2:6443"])
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.4"]))  # and back: ADDED
+    wait_until(lambda: "10.0.0.4:6443" in h.last_endpoints())
+    assert len(h.api.watch_requests()) == 1 and h.errors() == 0
+
+
+def test_odd_events_are_skipped_with_one_line_each(
+        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    h.wait_watches(1)
+    rv_before = h.provider._rv
+    h.api.inject_raw(b'{"type":"BOOKMARK","object":{"kind":"EndpointSlice","metadata":{}}}')
+    h.api.inject_raw(raw_event("WEIRD", make_slice("kubernetes-x", ["10.0.0.8"])))
+    h.api.inject_raw(raw_event("DELETED", make_slice("never-seen", ["10.0.0.7"])))
+    h.api.inject_raw(b'{"type":"ADDED","object":{"metadata":{"name":"cut-')  # truncated
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.3"]))
+    wait_until(lambda: "10.0.0.3:6443" in h.last_endpoints())
+    assert h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"]
+    text = caplog.text
+    assert "type=BOOKMARK field=metadata.resourceVersion" in text
+    assert "type='WEIRD' slice=kubernetes-x reason='unknown type'" in text
+    assert "not JSON" in text
+    assert rv_before != h.provider._rv == str(h.api.resource_version)
+    assert h.errors() == 0 and len(h.api.watch_requests()) == 1
+
+
+def test_a_line_cut_by_the_stream_end_is_logged_and_refetched(
+        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    h.wait_watches(1)
+    rv = h.provider._rv
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.3"]))
+    wait_until(lambda: "10.0.0.3:6443" in h.last_endpoints())
+    h.api.inject_raw(b'{"type":"MODIFIED","object":{"metadata":{"na', newline=False)
+    h.api.drop_streams()  # the connection goes away in the middle of a line
+    h.wait_watches(2)
+    assert "truncated: the stream ended inside it" in caplog.text
+    assert rv != h.provider._rv == h.api.watch_requests()[1].query["resourceVersion"]
+    assert h.errors() == 0  # a dropped stream is not an error
+
+
+@pytest.mark.parametrize("code", [500, 403])
+def test_error_event_other_than_410_is_counted_once_and_keeps_the_cache(
+        h: Harness, code: int) -> None:
+    h.wait_watches(1)
+    n = len(h.updates)
+    h.api.send_error_event(code)
+    h.wait_watches(2)
+    assert h.errors() == 1
+    assert h.kinds() == ["L", "W", "W"]  # re-watched from where it was, no re-list
+    assert len(h.updates) == n
+
+
+@pytest.mark.parametrize("status", [
+    {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Gone",
+     "code": 410, "message": "too old resource version: 1 (2)"},
+    # client-go treats reason Expired as expiry whatever the code says
+    {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired",
+     "message": "The resourceVersion for the provided watch is too old."},
+])
+def test_410_error_event_variants_relist_uncounted(h: Harness, status: dict[str, Any]) -> None:
+    h.wait_watches(1)
+    h.api.inject_raw(json.dumps({"type": "ERROR", "object": status}).encode())
+    h.wait_watches(2)
+    assert h.kinds() == ["L", "W", "L", "W"]
+    assert h.errors() == 0
+
+
+@pytest.mark.parametrize("body", [
+    {"kind": "EndpointSliceList", "metadata": {"resourceVersion": "5"}, "items": "oops"},
+    {"kind": "EndpointSliceList", "metadata": {}, "items": []},
+    ["not", "a", "list", "object"],
+])
+def test_a_malformed_list_is_a_counted_failed_list_and_retried(
+        api: FakeApiServer, sa_dir: Path, body: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    api.serve_next_list(body)
+    h = Harness(api, sa_dir)
+    h.provider.start()
+    try:
+        h.wait_watches(1)
+        assert h.kinds() == ["L", "L", "W"]
+        assert h.delays == [1.125]
+        assert h.errors() == 1
+        assert "endpointslice list failed error=ValueError" in caplog.text
+        assert h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.2:6443"]
+    finally:
+        assert h.provider.stop_and_join(5)
+
+
+def test_list_items_of_wrong_shape_are_skipped(api: FakeApiServer, sa_dir: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    good = make_slice("kubernetes", ["10.0.0.1"])
+    api.serve_next_list({"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+                         "metadata": {"resourceVersion": str(api.resource_version)},
+                         "items": ["a string", None, {"metadata": "x"}, good]})
+    h = Harness(api, sa_dir)
+    h.provider.start()
+    try:
+        h.wait_watches(1)
+        assert h.updates[0] == [Endpoint("10.0.0.1", 6443)]
+        assert caplog.text.count("field=metadata.name reason='missing'") == 3
+        assert h.errors() == 0
+    finally:
+        assert h.provider.stop_and_join(5)
 
 
 # --- reconnect timing rules ----------------------------------------------------------
@@ -309,6 +542,7 @@ def test_410_ending_a_long_watch_rewatches_at_once(h: Harness) -> None:
 
 
 def test_http_410_on_the_rewatch_after_a_long_watch_rewatches_at_once(h: Harness) -> None:
+    h.api.too_old = "http"
     h.wait_watches(1)
     h.api.expire(notify_open=False)  # the open watch stays; its resourceVersion is now too old
     h.clock.advance(31)
@@ -320,6 +554,7 @@ def test_http_410_on_the_rewatch_after_a_long_watch_rewatches_at_once(h: Harness
 
 
 def test_http_410_after_a_short_watch_waits_for_backoff(h: Harness) -> None:
+    h.api.too_old = "http"
     h.wait_watches(1)
     h.api.expire(notify_open=False)
     h.api.close_streams()  # short: wait 1.125, re-watch -> HTTP 410, re-list, wait 2.25
@@ -331,7 +566,7 @@ def test_http_410_after_a_short_watch_waits_for_backoff(h: Harness) -> None:
 
 def test_410_event_on_a_new_watch_like_the_watch_cache(api: FakeApiServer,
                                                         sa_dir: Path) -> None:
-    api.too_old = "event"
+    assert api.too_old == "event"  # the fake's default, as the real watch cache answers
     h = Harness(api, sa_dir)
     h.provider.start()
     try:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extractedprism.endpoints import Endpoint
-from extractedprism.slices import endpoints_from_slice, endpoints_from_slices
+from extractedprism.slices import endpoints_from_slice, endpoints_from_slices, parse_slice
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -125,6 +125,111 @@ def test_bad_slice_does_not_hide_good_one() -> None:
     good = make_slice("good", ["10.0.0.1"])
     bad = make_slice("bad", address_type="Bogus")
     assert endpoints_from_slices([bad, good, None]) == [Endpoint("10.0.0.1", 6443)]
+
+
+# --- parse_slice: unusable slice (None) vs bad entry (skipped), each naming its field ---
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+UNUSABLE: list[tuple[str, Any, str]] = [
+    ("ports null", make_slice() | {"ports": None}, "field=ports "),
+    ("ports missing", {k: v for k, v in make_slice().items() if k != "ports"}, "field=ports "),
+    ("ports empty", make_slice(ports=[]), "field=ports "),
+    ("ports a string", make_slice() | {"ports": "https"}, "field=ports "),
+    ("port without number", make_slice(ports=[{"name": "https", "protocol": "TCP"}]),
+     "field=ports[0].port "),
+    ("port null", make_slice(ports=[{"name": "https", "port": None}]), "field=ports[0].port "),
+    ("port out of range", make_slice(ports=[{"name": "https", "port": 65536}]),
+     "field=ports[0].port "),
+    ("https port bad, another good",
+     make_slice(ports=[{"name": "metrics", "port": 9000}, {"name": "https", "port": -1}]),
+     "field=ports[1].port "),
+    ("endpoints a string", make_slice(endpoints="10.0.0.1"), "field=endpoints "),
+    ("address type FQDN-ish typo", make_slice(address_type="fqdn"), "field=addressType "),
+    ("every endpoint malformed",
+     make_slice(endpoints=[{"addresses": None}, {"addresses": ["300.1.1.1"]}]),
+     "field=endpoints "),
+]
+
+
+@pytest.mark.parametrize("case,obj,field", UNUSABLE, ids=[c for c, _, _ in UNUSABLE])
+def test_unusable_slice_is_none_and_the_log_names_slice_and_field(
+        case: str, obj: Any, field: str, caplog: pytest.LogCaptureFixture) -> None:
+    assert parse_slice(obj) is None
+    lines = [m for m in warnings(caplog) if "unusable" in m]
+    assert len(lines) == 1, warnings(caplog)
+    assert "slice=kubernetes" in lines[0] and field in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("endpoints", [None, []])
+@pytest.mark.parametrize("ports", [None, []])
+def test_slice_without_endpoints_is_valid_and_silent(
+        endpoints: Any, ports: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # The API server's endpoint reconciler writes "endpoints": null, "ports": null
+    # when no API server is left: a real, empty slice, not an error.
+    obj = make_slice(endpoints=endpoints) | {"ports": ports}
+    assert parse_slice(obj) == []
+    assert warnings(caplog) == []
+
+
+def test_bad_entries_are_skipped_and_the_good_ones_of_the_slice_kept(
+        caplog: pytest.LogCaptureFixture) -> None:
+    obj = make_slice(endpoints=[
+        {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+        {"addresses": None},
+        "10.0.0.9",
+        {"addresses": []},
+        {"addresses": ["bogus!", "10.0.0.2"]},
+        {"addresses": ["10.0.0.3"], "conditions": {"ready": None}},
+        {"addresses": ["10.0.0.4"]},
+        {"addresses": ["10.0.0.5"], "conditions": {"ready": False}},
+    ])
+    assert sorted(str(e) for e in parse_slice(obj) or []) == [
+        "10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443", "10.0.0.4:6443"]
+    fields = sorted(m.split("field=")[1].split()[0] for m in warnings(caplog))
+    assert fields == ["endpoints[1].addresses", "endpoints[2]", "endpoints[3].addresses",
+                      "endpoints[4].addresses[0]"]
+    assert all("slice=kubernetes" in m for m in warnings(caplog))
+
+
+@pytest.mark.parametrize("conditions", ["ready", ["ready"], {"ready": "false"}, {"ready": 0}])
+def test_malformed_readiness_counts_as_ready_and_is_logged(
+        conditions: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # Only an explicit boolean false excludes (spec); anything else is noted.
+    obj = make_slice(endpoints=[{"addresses": ["10.0.0.1"], "conditions": conditions}])
+    assert parse_slice(obj) == [Endpoint("10.0.0.1", 6443)]
+    assert len(warnings(caplog)) == 1 and "field=endpoints[0].conditions" in warnings(caplog)[0]
+
+
+def test_ipv6_is_normalised_and_a_zone_or_ipv4_is_rejected() -> None:
+    obj = make_slice(address_type="IPv6",
+                     addresses=["FD00:0:0::1", "fe80::1%eth0", "10.0.0.1", "::ffff:10.0.0.1"])
+    assert [str(e) for e in parse_slice(obj) or []] == ["[fd00::1]:6443",
+                                                       "[::ffff:a00:1]:6443"]
+
+
+def test_ipv4_slice_rejects_ipv6_and_leading_zeros() -> None:
+    obj = make_slice(addresses=["10.0.0.1", "fd00::1", "010.0.0.2", "10.0.0.3/32"])
+    assert parse_slice(obj) == [Endpoint("10.0.0.1", 6443)]
+
+
+def test_fqdn_addresses_are_used_as_given_lowercased() -> None:
+    obj = make_slice(address_type="FQDN",
+                     addresses=["CP1.Example.com", "cp1.example.com", "-bad-.example.com",
+                                "10.0.0.1"])
+    # an IPv4 literal is a valid RFC 1123 name too; it is used as given, like the Go original
+    assert sorted(str(e) for e in endpoints_from_slices([obj])) == [
+        "10.0.0.1:6443", "cp1.example.com:6443"]
+
+
+def test_several_ports_https_wins_else_the_first() -> None:
+    two = [{"name": "metrics", "port": 9000}, {"name": "https", "port": 6443}]
+    assert parse_slice(make_slice(ports=two)) == [Endpoint("10.0.0.1", 6443)]
+    unnamed = [{"port": 443, "protocol": "TCP"}]
+    assert parse_slice(make_slice(ports=unnamed)) == [Endpoint("10.0.0.1", 443)]
 
 
 json_values = st.recursive(
