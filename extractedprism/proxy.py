@@ -364,7 +364,8 @@ class Proxy:
                     reg.abandon(addr)
                     continue
             assert addr is not None
-            pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr)
+            pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
+                        upstream_nonblocking=True)  # dial() makes it so
             if not reg.attach(addr, pipe):
                 upstream.close()
                 if drain_retry and not reg.closing:
