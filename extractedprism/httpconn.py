@@ -1,0 +1,425 @@
+"""The HTTP/1.x connection loop under the health server: many waiting clients, few threads.
+
+One thread (``health-http``) owns the listener and every connection that is waiting for
+a request. It reads request heads without blocking, under one selector, so a client that
+trickles its request or sends nothing costs a descriptor and a small buffer, not a
+thread. Only a complete request head goes to a request thread (``health-http-request``,
+at most ``MAX_REQUEST_THREADS`` at once), which renders the answer through the
+``respond`` callable, sends it, and hands the connection back for the next request.
+Limits, all enforced by the loop thread:
+
+* the whole request head must arrive within ``REQUEST_TIMEOUT_S`` of the connection (or
+  of the previous answer on a keep-alive connection), however slowly its bytes come;
+  a client that sent part of a request then gets 408, a silent one is just closed;
+* a head is at most ``MAX_HEAD_BYTES`` (the request thread answers 414 or 431);
+* at most ``MAX_CONNECTIONS`` connections are open; a new one displaces the oldest that
+  is still waiting for its request, so a flood cannot lock out a well-behaved probe;
+* after the last answer on a connection, the loop half-closes it and discards what the
+  client still sends for up to ``LINGER_S``, so unread request bytes do not turn the
+  close into a reset that destroys the answer in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from extractedprism.endpoints import is_ip
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 5.0  # whole request head; also the write deadline for an answer
+MAX_REQUEST_THREADS = 64
+MAX_CONNECTIONS = 512
+MAX_HEAD_BYTES = 32 * 1024  # probes send ~100 bytes; this bounds memory per connection
+LINGER_S = 2.0
+_ACCEPT_PAUSE_S = 0.2
+_FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789"
+                   b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+def is_token(b: bytes) -> bool:
+    return bool(b) and all(c in _TCHAR for c in b)
+
+
+def request_head_end(buf: bytes | bytearray) -> int:
+    """How many leading bytes of ``buf`` form one request head, or 0 while more are needed.
+
+    A request line that cannot start a valid HTTP/1.x request ends the head by itself, so
+    that it is answered at once instead of after the read timeout: the client may never
+    send the blank line (HTTP/0.9) or any newline at all (a TLS ClientHello). Line ends
+    are found as ``http.server`` finds them: a bare LF ends a line too.
+    """
+    nl = buf.find(b"\n")
+    if nl < 0:
+        method = bytes(buf).split(b" ", 1)[0]
+        return 0 if not method or is_token(method) else len(buf)
+    words = bytes(buf[:nl]).split()
+    if len(words) != 3 or not is_token(words[0]) or not words[2].startswith(b"HTTP/1."):
+        return nl + 1
+    ends = [i + n for sep, n in ((b"\n\r\n", 3), (b"\n\n", 2))
+            if (i := buf.find(sep, nl)) >= 0]
+    return min(ends) if ends else 0
+
+
+class Conn:
+    """One connection, owned by the loop thread except while a request thread answers it.
+
+    ``head`` is the request to answer; ``oversized``: it is the first ``MAX_HEAD_BYTES``
+    of a longer one; ``eof``: the client has half-closed, so this is its last request."""
+
+    __slots__ = ("buf", "client", "deadline", "eof", "head", "oversized", "sock")
+
+    def __init__(self, sock: socket.socket, client: str) -> None:
+        self.sock = sock
+        self.client = client
+        self.buf = bytearray()
+        self.deadline = 0.0
+        self.head = b""
+        self.oversized = False
+        self.eof = False
+
+
+class ConnectionLoop:
+    """Owns a listening socket, the loop thread and its request threads.
+
+    ``respond(conn)`` runs on a request thread and returns the bytes to send and whether
+    the connection may carry another request. ``timeout_answer`` is sent to a client whose
+    request head is still incomplete at the deadline. Binds at construction, so a port
+    clash fails before any thread starts.
+    """
+
+    def __init__(self, host: str, port: int, respond: Callable[[Conn], tuple[bytes, bool]],
+                 *, timeout_answer: bytes, name: str = "health-http") -> None:
+        self._respond = respond
+        self._timeout_answer = timeout_answer
+        self._name = name
+        family = socket.AF_INET6 if is_ip(host) and ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((host, port))
+            # A deep backlog: with the stdlib's 5, a burst of connections made the kernel
+            # drop SYNs, and a probe caught behind them waited for a 1 s retransmit.
+            self._listener.listen(socket.SOMAXCONN)
+            self._listener.setblocking(False)
+            self._wake_r, self._wake_w = socket.socketpair()
+        except OSError:
+            self._listener.close()
+            raise
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        # Waiting for (the rest of) a request head, oldest deadline first.
+        self._reading: collections.OrderedDict[int, Conn] = collections.OrderedDict()
+        # Answered for the last time: waiting for the client's FIN, oldest first.
+        self._lingering: collections.OrderedDict[int, Conn] = collections.OrderedDict()
+        self._queued: collections.deque[Conn] = collections.deque()  # head complete
+        self._busy = 0  # request threads running
+        self._accept_paused_until = 0.0
+        self._full = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _returned, _closed, _workers
+        self._returned: list[tuple[Conn, str]] = []
+        self._workers: set[threading.Thread] = set()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._listener.getsockname()[:2]
+        return str(host), int(port)
+
+    def start(self) -> None:
+        self._sel.register(self._listener, selectors.EVENT_READ, "listener")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._thread = threading.Thread(name=self._name, target=self._serve, daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> bool:
+        """Stop accepting, close idle connections, give running answers until
+        ``timeout`` to finish; True when every thread is gone."""
+        deadline = time.monotonic() + timeout
+        self._stop.set()
+        if self._thread is not None:
+            self._wake()
+            self._thread.join(timeout)
+        else:
+            self._close_all()
+        with self._lock:
+            workers = list(self._workers)
+        for t in workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        threads = [t for t in [self._thread, *workers] if t is not None and t.is_alive()]
+        for t in threads:
+            log.warning("thread outlived shutdown deadline thread=%s", t.name)
+        return not threads
+
+    # -- the loop thread ------------------------------------------------------------
+
+    def _serve(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for key, _ in self._sel.select(self._next_timeout()):
+                    if key.data == "listener":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._drain_wake()
+                    elif key.data == "reading":
+                        self._read(self._reading.get(key.fd))
+                    else:
+                        self._discard(self._lingering.get(key.fd))
+                self._take_back()
+                self._expire(time.monotonic())
+                self._dispatch()
+        except Exception:
+            # Logged, not raised: the thread's end shows in /healthz probes timing out.
+            log.exception("health server loop failed")
+        finally:
+            self._close_all()
+
+    def _next_timeout(self) -> float:
+        now = time.monotonic()
+        deadlines = [now + 1.0]
+        for waiting in (self._reading, self._lingering):
+            if waiting:
+                deadlines.append(next(iter(waiting.values())).deadline)
+        if self._accept_paused_until > 0:
+            deadlines.append(self._accept_paused_until)
+        return max(0.0, min(deadlines) - now)
+
+    def _open_count(self) -> int:
+        return len(self._reading) + len(self._lingering) + len(self._queued) + self._busy
+
+    def _accept(self) -> None:
+        for _ in range(64):  # then serve the connections already open, then accept more
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _FD_ERRNOS:
+                    # The connection stays in the backlog, so the selector would report
+                    # it again at once: pause accepting instead of spinning a CPU.
+                    if not self._accept_paused_until:
+                        log.warning("health server accept failed; pausing accepts until "
+                                    "descriptors free up error=%r", exc.strerror)
+                    self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_S
+                    self._sel.unregister(self._listener)
+                elif exc.errno not in (errno.ECONNABORTED, errno.EPROTO):
+                    log.warning("health server accept failed error=%r", exc.strerror)
+                return
+            if self._accept_paused_until < 0:
+                self._accept_paused_until = 0.0
+                log.info("health server accepts again")
+            self._admit(Conn(sock, str(addr[0])))
+
+    def _admit(self, conn: Conn) -> None:
+        if self._open_count() >= MAX_CONNECTIONS:
+            oldest = self._lingering or self._reading
+            if not oldest:
+                conn.sock.close()  # every slot is answering a complete request
+                return
+            self._close(next(iter(oldest.values())))
+            if not self._full:
+                self._full = True
+                log.warning("health server connection limit reached; dropping the oldest "
+                            "waiting connections max_connections=%d", MAX_CONNECTIONS)
+        elif self._full and self._open_count() < MAX_CONNECTIONS // 2:
+            self._full = False
+            log.info("health server connections below the limit again")
+        conn.sock.setblocking(False)
+        self._await_request(conn)
+
+    def _await_request(self, conn: Conn) -> None:
+        conn.deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        if self._complete(conn):
+            self._queued.append(conn)
+            return
+        self._reading[conn.sock.fileno()] = conn
+        self._sel.register(conn.sock, selectors.EVENT_READ, "reading")
+
+    def _complete(self, conn: Conn) -> bool:
+        """Move a complete head (or everything, at EOF or at the size limit) from the
+        buffer to ``conn.head``."""
+        if conn.buf[:1] in (b"\r", b"\n"):
+            # RFC 9112 2.2: empty lines before a request line are to be ignored.
+            del conn.buf[:len(conn.buf) - len(conn.buf.lstrip(b"\r\n"))]
+        n = request_head_end(conn.buf)
+        if not n and conn.eof and conn.buf.strip():
+            n = len(conn.buf)  # a half-closed client still gets an answer
+        if not n and len(conn.buf) > MAX_HEAD_BYTES:
+            conn.oversized = True
+            n = len(conn.buf)
+        if not n:
+            return False
+        conn.head = bytes(conn.buf[:n])
+        del conn.buf[:n]
+        return True
+
+    def _read(self, conn: Conn | None) -> None:
+        if conn is None:
+            return
+        try:
+            data = conn.sock.recv(min(16384, MAX_HEAD_BYTES + 1 - len(conn.buf)))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.debug("health client gone client=%s error=%r", conn.client, exc.strerror)
+            self._close(conn)
+            return
+        if not data:
+            conn.eof = True
+            if not conn.buf.strip():
+                self._close(conn)
+                return
+        conn.buf += data
+        if self._complete(conn):
+            del self._reading[conn.sock.fileno()]
+            self._sel.unregister(conn.sock)
+            self._queued.append(conn)
+
+    def _expire(self, now: float) -> None:
+        for waiting in (self._reading, self._lingering):
+            while waiting and (conn := next(iter(waiting.values()))).deadline <= now:
+                if waiting is self._reading and conn.buf.strip():
+                    log.debug("health request timed out client=%s received=%d", conn.client,
+                              len(conn.buf))
+                    try:
+                        conn.sock.send(self._timeout_answer)  # best effort: never blocks
+                    except OSError:
+                        pass
+                    self._linger(conn)
+                else:
+                    self._close(conn)
+        if 0 < self._accept_paused_until <= now:
+            self._accept_paused_until = -1.0  # resumed; logged once accept succeeds
+            self._sel.register(self._listener, selectors.EVENT_READ, "listener")
+
+    def _dispatch(self) -> None:
+        while self._queued and self._busy < MAX_REQUEST_THREADS:
+            conn = self._queued.popleft()
+            t = threading.Thread(name=self._name + "-request", target=self._answer,
+                                 args=(conn,), daemon=True)
+            with self._lock:
+                self._workers.add(t)
+            self._busy += 1
+            try:
+                t.start()
+            except RuntimeError:
+                log.warning("could not start a health request thread; closing client=%s",
+                            conn.client)
+                with self._lock:
+                    self._workers.discard(t)
+                self._busy -= 1
+                self._close(conn)
+                return
+
+    def _take_back(self) -> None:
+        with self._lock:
+            returned, self._returned = self._returned, []
+        for conn, outcome in returned:
+            self._busy -= 1
+            if outcome == "keep":
+                conn.sock.setblocking(False)
+                conn.head, conn.oversized = b"", False
+                self._await_request(conn)
+            elif outcome == "linger":
+                conn.sock.setblocking(False)
+                self._linger(conn)
+            else:
+                self._close(conn)
+
+    def _linger(self, conn: Conn) -> None:
+        # Closing with unread request bytes in the kernel would send a RST, and the
+        # client could lose the answer still in flight; so half-close and read until the
+        # client closes too, for a little while.
+        self._forget(conn)
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._close(conn)
+            return
+        conn.deadline = time.monotonic() + LINGER_S
+        self._lingering[conn.sock.fileno()] = conn
+        self._sel.register(conn.sock, selectors.EVENT_READ, "linger")
+
+    def _discard(self, conn: Conn | None) -> None:
+        if conn is None:
+            return
+        try:
+            if conn.sock.recv(65536):
+                return
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass
+        self._close(conn)
+
+    def _forget(self, conn: Conn) -> None:
+        fd = conn.sock.fileno()
+        if self._reading.pop(fd, None) is not None or self._lingering.pop(fd, None):
+            self._sel.unregister(conn.sock)
+
+    def _close(self, conn: Conn) -> None:
+        self._forget(conn)
+        conn.sock.close()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # already awake (buffer full) or shut down
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def _close_all(self) -> None:
+        with self._lock:
+            self._closed = True
+            returned, self._returned = self._returned, []
+        for conn in [*self._reading.values(), *self._lingering.values(), *self._queued,
+                     *(c for c, _ in returned)]:
+            conn.sock.close()
+        self._reading.clear()
+        self._lingering.clear()
+        self._queued.clear()
+        self._sel.close()
+        self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -- request threads -------------------------------------------------------
+
+    def _answer(self, conn: Conn) -> None:
+        outcome = "close"
+        try:
+            data, keep = self._respond(conn)
+            if data:
+                conn.sock.settimeout(REQUEST_TIMEOUT_S)
+                conn.sock.sendall(data)
+                outcome = "keep" if keep else "linger"
+        except OSError as exc:
+            # The client reset, closed or stopped reading: nothing to answer any more.
+            log.debug("health answer not delivered client=%s error=%r", conn.client, exc)
+        except Exception:
+            log.exception("health request failed client=%s", conn.client)
+        finally:
+            with self._lock:
+                self._workers.discard(threading.current_thread())
+                if self._closed:
+                    conn.sock.close()
+                else:
+                    self._returned.append((conn, outcome))
+            self._wake()
