@@ -91,6 +91,11 @@ def parse_endpoint(text: str) -> Endpoint:
         port = parse_port(port_text)
     except ValueError as exc:
         raise ValueError(f"{raw!r}: {exc}") from None
+    if ":" in host:
+        # One spelling per IPv6 address (RFC 5952: lower case, "::" compression), so
+        # [FD00:0::1]:6443 given statically and fd00::1 from an EndpointSlice are one
+        # upstream, not two that split the picks and the metrics.
+        host = str(ipaddress.ip_address(host))
     return Endpoint(host, port)
 
 

@@ -319,7 +319,10 @@ def _readyz(sock: socket.socket, settings: ReadyzSettings, deadline: _Deadline) 
     """Raise _ProbeFailed with the reason unless GET /readyz answers 200."""
     ctx = _ssl_context(settings)
     token = _read_token(settings.token_file) if settings.token_file else ""
-    request = (f"GET /readyz HTTP/1.1\r\nHost: {settings.server_name}\r\n"
+    host = settings.server_name
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 literal, bracketed as RFC 9110 7.2 requires
+    request = (f"GET /readyz HTTP/1.1\r\nHost: {host}\r\n"
                "User-Agent: extractedprism-probe\r\nAccept: */*\r\nConnection: close\r\n")
     if token:
         request += f"Authorization: Bearer {token}\r\n"

@@ -229,9 +229,12 @@ class Proxy:
                 if self._stopping.is_set():
                     break
                 if exc.errno in _FD_ERRNOS:
+                    # Once per episode at warning ("accept recovered" ends it); the
+                    # retries of one episode at debug.
+                    log.log(logging.DEBUG if fd_backoff else logging.WARNING,
+                            "accept failed; backing off until descriptors free up "
+                            "error=%r backoff=%gs", exc.strerror, fd_backoff or 0.01)
                     fd_backoff = min(1.0, fd_backoff * 2 or 0.01)
-                    log.warning("accept failed; backing off error=%r backoff=%gs",
-                                exc.strerror, fd_backoff)
                     self._stopping.wait(fd_backoff)
                 elif exc.errno not in (errno.ECONNABORTED, errno.EINTR, errno.EPROTO):
                     log.exception("accept failed")

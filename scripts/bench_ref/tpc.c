@@ -62,22 +62,23 @@ static int flush(int pipe_r, int dst, ssize_t n) {
     return 0;
 }
 
-static void serve(int c, int p[2][2]) {
+// Returns nonzero when the connection died with bytes possibly left in a kernel pipe:
+// the caller must then replace its pipes, or the next connection would receive them.
+static int serve(int c, int p[2][2]) {
     int u = socket(AF_INET, SOCK_STREAM, 0);
     if (u < 0 || connect(u, (struct sockaddr *)&up_addr, sizeof up_addr) < 0) {
         close(c);
         if (u >= 0) close(u);
-        return;
+        return 0;
     }
     nodelay(u);
     nodelay(c);
     fcntl(c, F_SETFL, O_NONBLOCK);
     fcntl(u, F_SETFL, O_NONBLOCK);
-    int src[2] = {c, u}, dst[2] = {u, c}, eof[2] = {0, 0};
+    int src[2] = {c, u}, dst[2] = {u, c}, eof[2] = {0, 0}, dead = 0;
     for (;;) {
         struct pollfd pf[2] = {{c, eof[0] ? 0 : POLLIN, 0}, {u, eof[1] ? 0 : POLLIN, 0}};
         if (poll(pf, 2, -1) < 0) break;
-        int dead = 0;
         for (int d = 0; d < 2 && !dead; d++) {
             if (!pf[d].revents) continue;
             ssize_t got = splice(src[d], NULL, p[d][1], NULL, CHUNK, SPLICE_FLAGS);
@@ -94,12 +95,17 @@ static void serve(int c, int p[2][2]) {
     }
     close(c);
     close(u);
+    return dead;
+}
+
+static void new_pipes(int p[2][2]) {
+    if (pipe2(p[0], O_NONBLOCK) < 0 || pipe2(p[1], O_NONBLOCK) < 0) abort();
 }
 
 static void *worker_main(void *arg) {
     struct worker *w = arg;
     int p[2][2];
-    if (pipe2(p[0], O_NONBLOCK) < 0 || pipe2(p[1], O_NONBLOCK) < 0) abort();
+    new_pipes(p);
     for (;;) {
         pthread_mutex_lock(&stack_mu);
         w->next = idle;
@@ -107,7 +113,10 @@ static void *worker_main(void *arg) {
         pthread_mutex_unlock(&stack_mu);
         while (sem_wait(&w->go) < 0) {
         }
-        serve(w->fd, p);
+        if (serve(w->fd, p)) {
+            for (int d = 0; d < 2; d++) close(p[d][0]), close(p[d][1]);
+            new_pipes(p);
+        }
     }
     return NULL;
 }

@@ -33,7 +33,8 @@ class Box:
         self.sock: socket.socket | None = None
 
 
-def serve(c: socket.socket, upstream: tuple[str, int], pipes: list[tuple[int, int]]) -> None:
+def serve(c: socket.socket, upstream: tuple[str, int], pipes: list[tuple[int, int]]) -> bool:
+    """Copy until both sides end; True when it died with bytes maybe left in a pipe."""
     u = socket.socket()
     try:
         u.connect(upstream)
@@ -65,10 +66,11 @@ def serve(c: socket.socket, upstream: tuple[str, int], pipes: list[tuple[int, in
                     except BlockingIOError:
                         select.select([], [dst], [])
     except OSError:
-        pass
+        return True
     finally:
         c.close()
         u.close()
+    return False
 
 
 def worker(idle: list[Box], lock: threading.Lock, upstream: tuple[str, int]) -> None:
@@ -79,7 +81,11 @@ def worker(idle: list[Box], lock: threading.Lock, upstream: tuple[str, int]) -> 
             idle.append(box)
         box.wake.acquire()
         assert box.sock is not None
-        serve(box.sock, upstream, pipes)
+        if serve(box.sock, upstream, pipes):
+            for r, w in pipes:
+                os.close(r)
+                os.close(w)
+            pipes = [os.pipe2(os.O_NONBLOCK) for _ in range(2)]
 
 
 def health(listener: socket.socket) -> None:

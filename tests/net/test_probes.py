@@ -392,6 +392,7 @@ class ScriptedTLSServer(_Server):
                  ca: trustme.CA | None = None) -> None:
         super().__init__("scripted")
         self.behaviour = behaviour
+        self.heads: list[bytes] = []  # request heads received, in order
         self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         if cert is None:
             assert ca is not None
@@ -409,6 +410,7 @@ class ScriptedTLSServer(_Server):
                 if not chunk:
                     return
                 head += chunk
+            self.heads.append(head)
             self.behaviour(tls, self.closing)
         finally:
             tls.close()
@@ -476,6 +478,16 @@ def test_readyz_status_200_then_reset_in_body_is_ready(ca: trustme.CA, ca_file: 
 
     with scripted(answer, ca=ca) as srv:
         assert probe(srv.endpoint, 2.0, settings(ca_file)).ready is True
+
+
+def test_readyz_ipv6_server_name_is_bracketed_in_host(ca: trustme.CA, ca_file: str) -> None:
+    # RFC 9110 7.2: an IPv6 literal in Host goes in brackets ("Host: ::1" is malformed).
+    def answer(tls: ssl.SSLSocket, closing: threading.Event) -> None:
+        tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    with scripted(answer, cert=ca.issue_cert("::1")) as srv:
+        assert probe(srv.endpoint, 2.0, settings(ca_file, server_name="::1")).ready is True
+        assert b"\r\nHost: [::1]\r\n" in srv.heads[0], srv.heads
 
 
 def test_readyz_http10_without_content_length(ca: trustme.CA, ca_file: str) -> None:

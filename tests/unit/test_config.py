@@ -146,3 +146,12 @@ def test_endpoint_round_trip():
         assert str(parse_endpoint(text)) == text
     # Any host may be bracketed (as Go's SplitHostPort allows); it prints canonically.
     assert str(parse_endpoint("[127.0.0.1]:6443")) == "127.0.0.1:6443"
+
+
+def test_ipv6_endpoints_have_one_spelling():
+    # RFC 5952 form, so a static entry and the same address from an EndpointSlice
+    # (slices.py writes the compressed form) are one upstream.
+    assert parse_endpoint("[FD00:0:0::1]:6443") == Endpoint("fd00::1", 6443)
+    assert str(parse_endpoint("[0:0:0:0:0:0:0:1]:7445")) == "[::1]:7445"
+    c = validate({**OK, "endpoints": "[fd00::1]:6443,[FD00:0::1]:6443"})
+    assert [str(e) for e in c.endpoints] == ["[fd00::1]:6443"]
