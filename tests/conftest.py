@@ -14,6 +14,7 @@ import pytest
 from extractedprism.app import App
 from extractedprism.config import Config
 from extractedprism.endpoints import Endpoint
+from tests.fakes.fake_apiserver import FakeApiServer
 from tests.fakes.upstream import EchoServer, IdentityServer
 
 PRODUCT_THREAD_PREFIXES = ("acceptor", "ticker", "pipe-", "probe-", "watcher", "heartbeat",
@@ -95,6 +96,13 @@ def no_leaked_fds(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     assert not leaked, (f"file descriptors outlived the test: {sorted(leaked.values())}"
                         f"{_describe_sockets(leaked)}")
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    """A fake Kubernetes API server (HTTPS, list/watch of EndpointSlices) for one test."""
+    with FakeApiServer() as server:
+        yield server
 
 
 def fast_config(endpoints: list[Endpoint] | tuple[Endpoint, ...], **overrides: object) -> Config:

@@ -23,12 +23,6 @@ ERRORS = "extractedprism_discovery_errors_total"
 UPDATES = "extractedprism_discovery_updates_total"
 
 
-@pytest.fixture
-def api() -> Iterator[FakeApiServer]:
-    with FakeApiServer() as server:
-        yield server
-
-
 def _same_port_idents() -> dict[str, IdentityServer]:
     """a on 127.0.0.2 port 0, then b and c on 127.0.0.3/.4 on a's port. Another process may
     hold that port on .3 or .4: then everything is stopped and the caller tries again."""

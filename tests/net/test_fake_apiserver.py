@@ -13,7 +13,6 @@ import json
 import re
 import ssl
 import time
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlencode
 
@@ -25,12 +24,6 @@ pytestmark = pytest.mark.timeout(30)
 
 PATH = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
 SELECTOR = "kubernetes.io/service-name=kubernetes"
-
-
-@pytest.fixture
-def api() -> Iterator[FakeApiServer]:
-    with FakeApiServer() as server:
-        yield server
 
 
 class Client:
