@@ -312,11 +312,17 @@ def validate(values: dict[str, str | None]) -> Config:
         problems.append(f"{p('drain_timeout')} must not be negative")
 
     # Modes and TLS.
-    if have("health_check") and out["health_check"] == "readyz" and not raw.get(
+    # A path of spaces is as unset as an empty one (a template's blank value, say).
+    for name in ("health_check_ca_file", "health_check_cert_file", "health_check_key_file",
+                 "health_check_token_file"):
+        if name in out and not str(out[name]).strip():
+            out[name] = ""
+    if have("health_check") and out["health_check"] == "readyz" and not str(raw.get(
         "health_check_ca_file", ""
-    ):
+    )).strip():
         problems.append("--health-check=readyz requires --health-check-ca-file")
-    cert, key = raw.get("health_check_cert_file", ""), raw.get("health_check_key_file", "")
+    cert = str(raw.get("health_check_cert_file", "")).strip()
+    key = str(raw.get("health_check_key_file", "")).strip()
     if bool(cert) != bool(key):
         given, missing = (
             ("--health-check-cert-file", "--health-check-key-file")

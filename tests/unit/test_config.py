@@ -155,3 +155,14 @@ def test_ipv6_endpoints_have_one_spelling():
     assert str(parse_endpoint("[0:0:0:0:0:0:0:1]:7445")) == "[::1]:7445"
     c = validate({**OK, "endpoints": "[fd00::1]:6443,[FD00:0::1]:6443"})
     assert [str(e) for e in c.endpoints] == ["[fd00::1]:6443"]
+
+
+def test_blank_credential_paths_count_as_unset():
+    assert "--health-check=readyz requires --health-check-ca-file" in problems(
+        health_check="readyz", health_check_ca_file="   ")
+    assert any("must be set together" in p for p in problems(
+        health_check_cert_file=" ", health_check_key_file="/k.pem"))
+    c = validate({**OK, "health_check_token_file": "  ", "health_check_cert_file": " ",
+                  "health_check_key_file": "\t"})
+    assert (c.health_check_token_file, c.health_check_cert_file,
+            c.health_check_key_file) == ("", "", "")
