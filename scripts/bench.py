@@ -502,7 +502,9 @@ class Bench:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (self.args.ep_pythonpath or str(REPO), env.get("PYTHONPATH", "")) if p)
-        proc = self.procs.start(f"extractedprism-{tag}", argv, env=env, cwd=REPO)
+        # Not cwd=REPO: "python -m" puts the working directory first on sys.path, which
+        # would shadow --ep-pythonpath with the repo's own package.
+        proc = self.procs.start(f"extractedprism-{tag}", argv, env=env, cwd=self.tmp)
         if wait_healthy(hport, proc):
             return proc, port
         tail = self.procs.log_tail(proc)

@@ -176,3 +176,32 @@ def test_reference_proxy_carries_bytes_and_half_close(ref: str, tmp_path: Path) 
         procs.stop_all()
         srv.close()
         t.join(10)
+
+
+def test_ep_pythonpath_runs_that_copy_of_the_package(tmp_path: Path) -> None:
+    """--ep-pythonpath must win over the repo's own package (python -m puts the working
+    directory first on sys.path, so the harness must not start it from the repo)."""
+    pkg = tmp_path / "copy" / "extractedprism"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    marker = tmp_path / "ran-the-copy"
+    (pkg / "__main__.py").write_text(
+        "import http.server, pathlib, sys\n"
+        f"pathlib.Path({str(marker)!r}).write_text('yes')\n"
+        "port = int(sys.argv[sys.argv.index('--health-port') + 1])\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
+    args = bench.parse_args(["--paths", "extractedprism",
+                             "--ep-pythonpath", str(tmp_path / "copy")])
+    work = tmp_path / "work"
+    work.mkdir()
+    procs = bench.Procs(work)
+    b = bench.Bench(args, procs, work)
+    try:
+        assert b.start_ep("test", 1) is not None, b.ep_error
+        assert marker.read_text() == "yes"
+    finally:
+        procs.stop_all()
