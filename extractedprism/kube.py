@@ -61,10 +61,23 @@ WATCH_READ_SLACK = 30.0
 # The reasons the API uses for an expired resourceVersion; client-go's IsResourceExpired
 # and IsGone go by these as much as by the code.
 GONE_REASONS = ("Expired", "Gone")
+# The longest watch line (one event) kept in memory. The API server stores objects of at
+# most ~1.5 MiB (etcd's request limit) and a slice of 1,000 endpoints is well under 1 MiB
+# as JSON, so only a broken or hostile server gets near this; past it the stream is
+# ended (as a drop: not counted) and the next watch resumes from the last applied
+# resourceVersion.
+MAX_LINE_BYTES = 16 * 1024 * 1024
+# Each read takes at most this much, whatever size a chunk header announces, so memory
+# stays within MAX_LINE_BYTES plus one read.
+READ_BYTES = 64 * 1024
 
 
 class Gone(Exception):
     """410 Gone: the resourceVersion was compacted away; the caller must re-list."""
+
+
+class LineTooLong(ValueError):
+    """A watch line grew past :data:`MAX_LINE_BYTES` without a newline."""
 
 
 class WatchErrorEvent(Exception):
@@ -181,7 +194,8 @@ class WatchStream:
     DELETED and BOOKMARK; skips (with a log line) lines that are not JSON or not an event;
     raises :class:`Gone` on an ERROR event with code 410 and :class:`WatchErrorEvent`
     on any other ERROR event; and simply ends when the stream ends (a clean end, a
-    dropped connection or a read deadline: the metrics do not count those).
+    dropped connection, a read deadline, or a line longer than :data:`MAX_LINE_BYTES`,
+    which it stops reading: the metrics do not count those).
     """
 
     def __init__(self, resp: Any) -> None:
@@ -211,13 +225,24 @@ class WatchStream:
 
     def _lines(self) -> Iterator[str]:
         buf = self._partial
-        for segment in self._resp.stream(amt=None, decode_content=False):
+        # amt=None would read a whole chunk at once, as large as its header claims.
+        for segment in self._resp.stream(amt=READ_BYTES, decode_content=False):
+            # Only the new bytes can hold a newline: no rescan of a long partial line.
+            start = len(buf)
             buf.extend(segment if isinstance(segment, bytes) else str(segment).encode())
-            while (nl := buf.find(b"\n")) != -1:
+            while (nl := buf.find(b"\n", start)) != -1:
                 # Invalid UTF-8 becomes U+FFFD, and the line then fails JSON parsing.
                 line = buf[:nl].decode("utf-8", errors="replace")
                 del buf[: nl + 1]
+                start = 0
                 yield line
+            if len(buf) > MAX_LINE_BYTES:
+                size = len(buf)
+                head = bytes(buf[:120]).decode("utf-8", errors="replace")
+                buf.clear()
+                log.warning("watch line too long; ending the stream size>=%d limit=%d "
+                            "line=%.120r", size, MAX_LINE_BYTES, head)
+                raise LineTooLong(f"watch line over {MAX_LINE_BYTES} bytes")
 
     @staticmethod
     def _parse(line: str) -> dict[str, Any] | None:

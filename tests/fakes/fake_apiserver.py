@@ -32,8 +32,8 @@ Kubernetes API (https://kubernetes.io/docs/reference/using-api/api-concepts/):
 It also answers ``/readyz``, ``/livez``, ``/healthz`` and ``/version`` without a token, so
 it can sit behind the proxy as an upstream. Tests drive it with :meth:`set_slice`,
 :meth:`delete_slice`, :meth:`close_streams`, :meth:`drop_streams`, :meth:`expire`,
-:meth:`inject_raw`, :meth:`send_error_event`, :meth:`send_bookmark`, :meth:`fail` and
-:meth:`serve_next_list`, and
+:meth:`inject_raw`, :meth:`inject_unframed`, :meth:`send_error_event`,
+:meth:`send_bookmark`, :meth:`fail` and :meth:`serve_next_list`, and
 read :attr:`requests` (every request with its monotonic time, path and query).
 
 Threads: one ``fake-apiserver`` accept thread plus one handler thread per connection;
@@ -70,6 +70,10 @@ SERVER_NAMES = ("kubernetes.default.svc", "kubernetes.default", "localhost", "12
 
 _END = object()  # end the stream cleanly (terminating chunk)
 _DROP = object()  # drop the connection mid-stream (no terminating chunk)
+
+
+class _Unframed(bytes):
+    """Bytes written to a watch connection as they are, outside the chunked framing."""
 
 
 def make_slice(
@@ -486,6 +490,13 @@ class FakeApiServer:
             for s in self._streams:
                 s.q.put(line)
 
+    def inject_unframed(self, data: bytes) -> None:
+        """Write ``data`` to every open watch connection without chunk framing (say, a
+        chunk-size line promising more bytes than will ever come, then some of them)."""
+        with self._lock:
+            for s in self._streams:
+                s.q.put(_Unframed(data))
+
     def send_error_event(self, code: int = 500, reason: str | None = None,
                          message: str = "injected error", *, end: bool = True) -> None:
         """An ERROR event carrying a Status; the real server ends the watch after one."""
@@ -727,7 +738,11 @@ class FakeApiServer:
                     with contextlib.suppress(OSError):
                         h.request.shutdown(socket.SHUT_RDWR)
                     return
-                h.write_chunk(item)
+                if isinstance(item, _Unframed):
+                    h.wfile.write(item)
+                    h.wfile.flush()
+                else:
+                    h.write_chunk(item)
         except OSError:
             h.close_connection = True
         finally:

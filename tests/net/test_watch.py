@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from extractedprism import kube
 from extractedprism.config import Config
 from extractedprism.endpoints import Endpoint
 from extractedprism.kube import ClientConfigError, proxy_url
@@ -359,6 +360,62 @@ def test_a_line_cut_by_the_stream_end_is_logged_and_refetched(
     assert "truncated: the stream ended inside it" in caplog.text
     assert rv != h.provider._rv == h.api.watch_requests()[1].query["resourceVersion"]
     assert h.errors() == 0  # a dropped stream is not an error
+
+
+def test_an_event_split_over_many_chunks_and_events_sharing_one(h: Harness) -> None:
+    h.wait_watches(1)
+    one = raw_event("ADDED", make_slice("kubernetes-2", ["10.0.0.3"])) + b"\n"
+    for i in range(0, len(one), 7):
+        h.api.inject_raw(one[i:i + 7], newline=False)
+    two = (raw_event("ADDED", make_slice("kubernetes-3", ["10.0.0.4"])) + b"\n"
+           + raw_event("ADDED", make_slice("kubernetes-4", ["10.0.0.5"])) + b"\n")
+    h.api.inject_raw(two, newline=False)
+    wait_until(lambda: "10.0.0.5:6443" in h.last_endpoints())
+    assert h.last_endpoints() == [f"10.0.0.{i}:6443" for i in range(1, 6)]
+    assert h.errors() == 0 and len(h.api.watch_requests()) == 1
+
+
+def test_a_slice_with_1000_endpoints_in_one_line(h: Harness) -> None:
+    h.wait_watches(1)
+    addrs = [f"10.1.{i // 250}.{i % 250 + 1}" for i in range(1000)]
+    h.api.set_slice(make_slice("kubernetes-big", addrs))
+    wait_until(lambda: len(h.last_endpoints()) == 1002)
+    assert set(h.last_endpoints()) == {f"{a}:6443" for a in addrs} | {
+        "10.0.0.1:6443", "10.0.0.2:6443"}
+    assert h.errors() == 0 and len(h.api.watch_requests()) == 1
+
+
+CAP = 256 * 1024  # a small line cap, so the tests need not send 16 MiB
+
+
+def test_a_line_longer_than_the_cap_ends_the_stream_and_keeps_the_cache(
+        h: Harness, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kube, "MAX_LINE_BYTES", CAP, raising=False)
+    h.wait_watches(1)
+    before = h.last_endpoints()
+    # Chunks of 32 KiB, never a newline, until the watcher gives up on the line.
+    h.api.inject_raw(b'{"type":"ADDED","object":{"metadata":{"name":"', newline=False)
+    for _ in range(CAP // (32 * 1024) + 1):
+        h.api.inject_raw(b"x" * (32 * 1024), newline=False)
+    h.wait_watches(2)  # the stream was ended (short: after the backoff) and re-opened
+    assert "watch line too long" in caplog.text
+    assert "truncated" not in caplog.text  # one line about it, not two
+    assert h.delays == [1.125]
+    assert h.errors() == 0  # neither an ERROR event nor a failed Watch call
+    assert h.last_endpoints() == before and h.provider.running
+
+
+def test_a_chunk_promising_more_than_the_cap_is_read_in_bounded_pieces(
+        h: Harness, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kube, "MAX_LINE_BYTES", CAP, raising=False)
+    h.wait_watches(1)
+    # A chunk-size line for 1 GiB, then a little more than the cap of it: a reader that
+    # waits for the whole chunk before splitting lines would hold it all (and here wait
+    # for bytes that never come).
+    h.api.inject_unframed(b"40000000\r\n" + b"x" * (CAP + 64 * 1024))
+    h.wait_watches(2)
+    assert "watch line too long" in caplog.text
+    assert h.errors() == 0 and h.provider.running
 
 
 @pytest.mark.parametrize("code", [500, 403])
