@@ -5,12 +5,15 @@ a request. It reads request heads without blocking, under one selector, so a cli
 trickles its request or sends nothing costs a descriptor and a small buffer, not a
 thread. Only a complete request head goes to a request thread (``health-http-request``,
 at most ``MAX_REQUEST_THREADS`` at once), which renders the answer through the
-``respond`` callable, sends it, and hands the connection back for the next request.
+``respond`` callable, sends what the socket takes without blocking, and hands the
+connection back: the loop writes the rest, if any, then waits for the next request. So
+a client that stops reading holds a descriptor and its answer, never a request thread.
 Limits, all enforced by the loop thread:
 
 * the whole request head must arrive within ``REQUEST_TIMEOUT_S`` of the connection (or
   of the previous answer on a keep-alive connection), however slowly its bytes come;
   a client that sent part of a request then gets 408, a silent one is just closed;
+* an answer must be written within ``REQUEST_TIMEOUT_S`` too, else the connection closes;
 * a head is at most ``MAX_HEAD_BYTES`` (the request thread answers 414 or 431);
 * at most ``MAX_CONNECTIONS`` connections are open; a new one displaces the oldest that
   is still waiting for its request, so a flood cannot lock out a well-behaved probe;
@@ -73,9 +76,12 @@ class Conn:
     """One connection, owned by the loop thread except while a request thread answers it.
 
     ``head`` is the request to answer; ``oversized``: it is the first ``MAX_HEAD_BYTES``
-    of a longer one; ``eof``: the client has half-closed, so this is its last request."""
+    of a longer one; ``eof``: the client has half-closed, so this is its last request;
+    ``out``: the part of the answer still to write, and ``keep``: whether another
+    request may follow it."""
 
-    __slots__ = ("buf", "client", "deadline", "eof", "head", "oversized", "sock")
+    __slots__ = ("buf", "client", "deadline", "eof", "head", "keep", "out", "oversized",
+                 "sock")
 
     def __init__(self, sock: socket.socket, client: str) -> None:
         self.sock = sock
@@ -85,6 +91,8 @@ class Conn:
         self.head = b""
         self.oversized = False
         self.eof = False
+        self.out = memoryview(b"")
+        self.keep = False
 
 
 class ConnectionLoop:
@@ -119,6 +127,8 @@ class ConnectionLoop:
         self._sel = selectors.DefaultSelector()
         # Waiting for (the rest of) a request head, oldest deadline first.
         self._reading: collections.OrderedDict[int, Conn] = collections.OrderedDict()
+        # Answer partly written, waiting for the client to read; oldest deadline first.
+        self._writing: collections.OrderedDict[int, Conn] = collections.OrderedDict()
         # Answered for the last time: waiting for the client's FIN, oldest first.
         self._lingering: collections.OrderedDict[int, Conn] = collections.OrderedDict()
         self._queued: collections.deque[Conn] = collections.deque()  # head complete
@@ -126,6 +136,7 @@ class ConnectionLoop:
         self._accept_paused_until = 0.0
         self._full = False
         self._stop = threading.Event()
+        self._stop_deadline = 0.0
         self._lock = threading.Lock()  # guards _returned, _closed, _workers
         self._returned: list[tuple[Conn, str]] = []
         self._workers: set[threading.Thread] = set()
@@ -147,6 +158,7 @@ class ConnectionLoop:
         """Stop accepting, close idle connections, give running answers until
         ``timeout`` to finish; True when every thread is gone."""
         deadline = time.monotonic() + timeout
+        self._stop_deadline = deadline
         self._stop.set()
         if self._thread is not None:
             self._wake()
@@ -174,21 +186,49 @@ class ConnectionLoop:
                         self._drain_wake()
                     elif key.data == "reading":
                         self._read(self._reading.get(key.fd))
+                    elif key.data == "writing":
+                        self._write(self._writing.get(key.fd))
                     else:
                         self._discard(self._lingering.get(key.fd))
                 self._take_back()
                 self._expire(time.monotonic())
                 self._dispatch()
+            self._finish()
         except Exception:
             # Logged, not raised: the thread's end shows in /healthz probes timing out.
             log.exception("health server loop failed")
         finally:
             self._close_all()
 
+    def _finish(self) -> None:
+        """Shutdown: no new connections or requests, but answers being rendered or
+        written get until the shutdown deadline to reach their clients."""
+        try:
+            self._sel.unregister(self._listener)
+        except KeyError:
+            pass  # accepts were paused
+        self._accept_paused_until = 0.0
+        self._listener.close()
+        for conn in [*self._reading.values(), *self._lingering.values(), *self._queued]:
+            self._close(conn)
+        self._queued.clear()
+        while self._writing or self._busy:
+            now = time.monotonic()
+            if now >= self._stop_deadline:
+                return
+            for key, _ in self._sel.select(min(self._next_timeout(),
+                                               self._stop_deadline - now)):
+                if key.data == "writing":
+                    self._write(self._writing.get(key.fd))
+                elif key.data == "wake":
+                    self._drain_wake()
+            self._take_back()
+            self._expire(time.monotonic())
+
     def _next_timeout(self) -> float:
         now = time.monotonic()
         deadlines = [now + 1.0]
-        for waiting in (self._reading, self._lingering):
+        for waiting in (self._reading, self._writing, self._lingering):
             if waiting:
                 deadlines.append(next(iter(waiting.values())).deadline)
         if self._accept_paused_until > 0:
@@ -196,7 +236,8 @@ class ConnectionLoop:
         return max(0.0, min(deadlines) - now)
 
     def _open_count(self) -> int:
-        return len(self._reading) + len(self._lingering) + len(self._queued) + self._busy
+        return (len(self._reading) + len(self._writing) + len(self._lingering)
+                + len(self._queued) + self._busy)
 
     def _accept(self) -> None:
         for _ in range(64):  # then serve the connections already open, then accept more
@@ -223,7 +264,7 @@ class ConnectionLoop:
 
     def _admit(self, conn: Conn) -> None:
         if self._open_count() >= MAX_CONNECTIONS:
-            oldest = self._lingering or self._reading
+            oldest = self._lingering or self._writing or self._reading
             if not oldest:
                 conn.sock.close()  # every slot is answering a complete request
                 return
@@ -287,7 +328,7 @@ class ConnectionLoop:
             self._queued.append(conn)
 
     def _expire(self, now: float) -> None:
-        for waiting in (self._reading, self._lingering):
+        for waiting in (self._reading, self._writing, self._lingering):
             while waiting and (conn := next(iter(waiting.values()))).deadline <= now:
                 if waiting is self._reading and conn.buf.strip():
                     log.debug("health request timed out client=%s received=%d", conn.client,
@@ -298,6 +339,10 @@ class ConnectionLoop:
                         pass
                     self._linger(conn)
                 else:
+                    if waiting is self._writing:
+                        log.debug("health answer not delivered within %gs client=%s "
+                                  "unsent=%d", REQUEST_TIMEOUT_S, conn.client,
+                                  len(conn.out))
                     self._close(conn)
         if 0 < self._accept_paused_until <= now:
             self._accept_paused_until = -1.0  # resumed; logged once accept succeeds
@@ -327,15 +372,39 @@ class ConnectionLoop:
             returned, self._returned = self._returned, []
         for conn, outcome in returned:
             self._busy -= 1
-            if outcome == "keep":
-                conn.sock.setblocking(False)
-                conn.head, conn.oversized = b"", False
-                self._await_request(conn)
-            elif outcome == "linger":
-                conn.sock.setblocking(False)
-                self._linger(conn)
+            if outcome == "write":
+                # The write deadline counts from the answer, as the request deadline did.
+                conn.deadline = time.monotonic() + REQUEST_TIMEOUT_S
+                self._writing[conn.sock.fileno()] = conn
+                self._sel.register(conn.sock, selectors.EVENT_WRITE, "writing")
+            elif outcome == "sent":
+                self._answered(conn)
             else:
                 self._close(conn)
+
+    def _answered(self, conn: Conn) -> None:
+        if self._stop.is_set():
+            self._close(conn)  # shutting down: no next request, and no lingering either
+        elif conn.keep:
+            conn.head, conn.oversized = b"", False
+            self._await_request(conn)
+        else:
+            self._linger(conn)
+
+    def _write(self, conn: Conn | None) -> None:
+        if conn is None:
+            return
+        try:
+            conn.out = conn.out[conn.sock.send(conn.out):]
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.debug("health answer not delivered client=%s error=%r", conn.client, exc)
+            self._close(conn)
+            return
+        if not conn.out:
+            self._forget(conn)
+            self._answered(conn)
 
     def _linger(self, conn: Conn) -> None:
         # Closing with unread request bytes in the kernel would send a RST, and the
@@ -365,7 +434,8 @@ class ConnectionLoop:
 
     def _forget(self, conn: Conn) -> None:
         fd = conn.sock.fileno()
-        if self._reading.pop(fd, None) is not None or self._lingering.pop(fd, None):
+        if (self._reading.pop(fd, None) is not None or self._writing.pop(fd, None)
+                or self._lingering.pop(fd, None)):
             self._sel.unregister(conn.sock)
 
     def _close(self, conn: Conn) -> None:
@@ -389,10 +459,11 @@ class ConnectionLoop:
         with self._lock:
             self._closed = True
             returned, self._returned = self._returned, []
-        for conn in [*self._reading.values(), *self._lingering.values(), *self._queued,
-                     *(c for c, _ in returned)]:
+        for conn in [*self._reading.values(), *self._writing.values(),
+                     *self._lingering.values(), *self._queued, *(c for c, _ in returned)]:
             conn.sock.close()
         self._reading.clear()
+        self._writing.clear()
         self._lingering.clear()
         self._queued.clear()
         self._sel.close()
@@ -405,11 +476,18 @@ class ConnectionLoop:
     def _answer(self, conn: Conn) -> None:
         outcome = "close"
         try:
-            data, keep = self._respond(conn)
+            data, conn.keep = self._respond(conn)
             if data:
-                conn.sock.settimeout(REQUEST_TIMEOUT_S)
-                conn.sock.sendall(data)
-                outcome = "keep" if keep else "linger"
+                # Never block here: a client that does not read would hold this thread
+                # for the whole write deadline, and enough of them would starve probes.
+                out = memoryview(data)
+                try:
+                    while out:
+                        out = out[conn.sock.send(out):]
+                except (BlockingIOError, InterruptedError):
+                    pass
+                conn.out = out
+                outcome = "write" if out else "sent"
         except OSError as exc:
             # The client reset, closed or stopped reading: nothing to answer any more.
             log.debug("health answer not delivered client=%s error=%r", conn.client, exc)

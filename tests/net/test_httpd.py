@@ -415,3 +415,89 @@ def _peek_open(s: socket.socket) -> bool:
         return s.recv(1, socket.MSG_PEEK) != b""
     except BlockingIOError:
         return True
+
+
+# -- the connection loop itself ----------------------------------------------------------
+
+def _big_answer_loop(monkeypatch: pytest.MonkeyPatch, threads: int):  # type: ignore[no-untyped-def]
+    from extractedprism import httpconn
+
+    monkeypatch.setattr(httpconn, "MAX_REQUEST_THREADS", threads)
+    big = b"x" * (16 << 20)  # more than the kernel buffers for a client that does not read
+    big_answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big
+
+    def respond(conn: httpconn.Conn) -> tuple[bytes, bool]:
+        if b"/big" in conn.head:
+            return big_answer, True
+        return b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n", True
+
+    loop = httpconn.ConnectionLoop("127.0.0.1", 0, respond, timeout_answer=b"")
+    loop.start()
+    return loop, len(big_answer)
+
+
+def _read_exactly(s: socket.socket, n: int) -> int:
+    got = 0
+    while got < n and (chunk := s.recv(1 << 20)):
+        got += len(chunk)
+    return got
+
+
+def test_clients_that_stop_reading_do_not_starve_the_request_threads(monkeypatch):
+    # Clients that ask and then stop reading (a zero TCP window) must not hold the
+    # request threads while their answers wait: with every thread stuck in a 5 s write,
+    # /healthz probes from everyone else would time out.
+    loop, size = _big_answer_loop(monkeypatch, threads=2)
+    stalled = []
+    try:
+        for _ in range(4):
+            s = socket.create_connection(loop.address, timeout=5)
+            s.sendall(b"GET /big HTTP/1.1\r\n\r\n")
+            stalled.append(s)
+        with socket.create_connection(loop.address, timeout=5) as s:
+            t0 = time.monotonic()
+            s.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+            assert s.recv(100).startswith(b"HTTP/1.1 200")
+            assert time.monotonic() - t0 < 2
+        # The stalled answers still arrive in full once their clients read, and the
+        # connection then carries the next request.
+        for s in stalled:
+            assert _read_exactly(s, size) == size
+        stalled[0].sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert stalled[0].recv(100).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in stalled:
+            s.close()
+        assert loop.shutdown(5)
+
+
+def _refused(address: tuple[str, int]) -> bool:
+    try:
+        socket.create_connection(address, timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_shutdown_lets_an_answer_being_written_finish(monkeypatch):
+    loop, size = _big_answer_loop(monkeypatch, threads=2)
+    address = loop.address
+    results: list[bool] = []
+
+    def stop() -> None:
+        results.append(loop.shutdown(5))
+
+    with socket.create_connection(address, timeout=5) as s:
+        s.sendall(b"GET /big HTTP/1.1\r\n\r\n")
+        s.recv(1)  # the answer has started
+        stopper = threading.Thread(name="test-shutdown", target=stop)
+        stopper.start()
+        try:
+            # Accepting stops at once; the answer in flight is still delivered whole,
+            # and then the connection closes.
+            wait_until(lambda: _refused(address), 3)
+            assert _read_exactly(s, size - 1) == size - 1
+            assert s.recv(1) == b""
+        finally:
+            stopper.join(6)
+    assert results == [True]
