@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,6 +56,12 @@ TLS_SERVER_NAME = "kubernetes.default.svc"
 DEFAULT_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 CONNECT_TIMEOUT = 10.0
 LIST_READ_TIMEOUT = 30.0
+# The list body: each read waits at most LIST_READ_TIMEOUT, and the whole body must come
+# within LIST_DEADLINE_S and LIST_MAX_BYTES, so a server that drips bytes or sends
+# without end cannot hold the watcher (and its memory) forever. A real list of the
+# kubernetes service's slices is a few KiB and arrives in milliseconds.
+LIST_DEADLINE_S = 60.0
+LIST_MAX_BYTES = 64 * 1024 * 1024
 # A watch read may legitimately wait until the server's timeoutSeconds; past that
 # (plus slack) the connection is dead and the read deadline ends the stream.
 WATCH_READ_SLACK = 30.0
@@ -288,6 +295,21 @@ class WatchStream:
             log.debug("watch response release failed", exc_info=True)
 
 
+def _read_list_body(resp: Any) -> bytes:
+    """The whole list body, within LIST_DEADLINE_S and LIST_MAX_BYTES."""
+    deadline = time.monotonic() + LIST_DEADLINE_S
+    body = bytearray()
+    # read1: whatever has arrived (up to READ_BYTES), so the deadline is checked as bytes
+    # trickle in; read(n) would wait for all n of them.
+    while chunk := resp.read1(READ_BYTES):
+        body += chunk
+        if len(body) > LIST_MAX_BYTES:
+            raise ValueError(f"EndpointSlice list larger than {LIST_MAX_BYTES} bytes")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"EndpointSlice list not received within {LIST_DEADLINE_S:g} s")
+    return bytes(body)
+
+
 class KubeClient:
     """List and watch the ``kubernetes`` service's EndpointSlices in ``default``."""
 
@@ -309,7 +331,10 @@ class KubeClient:
             _request_timeout=(CONNECT_TIMEOUT, LIST_READ_TIMEOUT),
         )
         try:
-            body = json.loads(resp.data)
+            body = json.loads(_read_list_body(resp))
+        except BaseException:
+            resp.close()  # partly read: the connection must not go back to the pool
+            raise
         finally:
             resp.release_conn()
         if not isinstance(body, dict):

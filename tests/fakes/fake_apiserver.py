@@ -325,6 +325,7 @@ class FakeApiServer:
         self._streams: list[_Stream] = []
         self._failures: list[_Failure] = []
         self._list_bodies: list[Any] = []
+        self._list_drips: list[float] = []
         self.requests: list[RecordedRequest] = []
         self._threads: list[threading.Thread] = []
         self._conns: set[Any] = set()
@@ -552,6 +553,12 @@ class FakeApiServer:
         with self._lock:
             self._failures.append(_Failure(kind, status, count))
 
+    def drip_next_list(self, interval: float) -> None:
+        """Answer the next list call with the real list, one byte every ``interval`` s
+        (a broken or hostile server, or a link that barely moves)."""
+        with self._lock:
+            self._list_drips.append(interval)
+
     def serve_next_list(self, body: Any) -> None:
         """Answer the next list call with 200 and ``body`` (any JSON) instead of the list."""
         with self._lock:
@@ -652,8 +659,23 @@ class FakeApiServer:
         for o in items:  # list items carry no kind/apiVersion on the wire
             o.pop("kind", None)
             o.pop("apiVersion", None)
-        h.send_json(200, {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
-                          "metadata": meta, "items": items})
+        listing = {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+                   "metadata": meta, "items": items}
+        with self._lock:
+            drip = self._list_drips.pop(0) if self._list_drips else None
+        if drip is None:
+            h.send_json(200, listing)
+            return
+        data = (json.dumps(listing) + "\n").encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.flush()
+        for i in range(len(data)):  # ends early when the client gives up (broken pipe)
+            h.wfile.write(data[i:i + 1])
+            h.wfile.flush()
+            time.sleep(drip)
 
     def _take_failure(self, kind: str) -> int | None:
         with self._lock:

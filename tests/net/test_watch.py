@@ -810,3 +810,38 @@ def test_ipv6_listener_is_bracketed(tmp_path: Path) -> None:
             assert h.provider.stop_and_join(5)
     finally:
         api.stop()
+
+
+def test_a_list_that_trickles_in_fails_at_its_deadline_and_is_retried(
+        api: FakeApiServer, sa_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Each byte arrives well within the read timeout, so only an overall deadline ends
+    # it; without one the watcher would wait for the whole trickle (here ~60 s).
+    monkeypatch.setattr(kube, "LIST_DEADLINE_S", 0.5)
+    api.drip_next_list(0.1)
+    h = Harness(api, sa_dir)
+    started = time.monotonic()
+    h.provider.start()
+    try:
+        h.wait_watches(1)
+        assert time.monotonic() - started < 10
+        assert h.kinds() == ["L", "L", "W"]
+        assert h.errors() == 1
+        assert "not received within 0.5 s" in caplog.text
+        assert h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.2:6443"]
+    finally:
+        assert h.provider.stop_and_join(5)
+
+
+def test_a_list_over_the_size_cap_is_a_counted_failed_list(
+        api: FakeApiServer, sa_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(kube, "LIST_MAX_BYTES", 50)  # the fake's list is a few hundred
+    h = Harness(api, sa_dir)
+    h.provider.start()
+    try:
+        wait_until(lambda: h.errors() >= 1, 10, message="the oversized list counted")
+        assert "EndpointSlice list larger than 50 bytes" in caplog.text
+        assert h.kinds()[:1] == ["L"] and "W" not in h.kinds()
+    finally:
+        assert h.provider.stop_and_join(5)
