@@ -191,7 +191,6 @@ class Pipe:
         poller.register(cfd, _POLLIN)
         poller.register(ufd, _POLLIN)
         poll = poller.poll
-        splice_in, splice_out = _splice_in, _splice_out
         masks = {cfd: _POLLIN, ufd: _POLLIN}
         by_src = {cfd: up, ufd: down}
         by_dst = {ufd: up, cfd: down}
@@ -213,41 +212,8 @@ class Pipe:
                     h = by_src[fd]
                     if h.eof or h.pending or h.tail:
                         continue
-                    if h.pipe_w < 0:
-                        dirty = self._read(h) or dirty
-                        continue
-                    # The common event, inline (a method call per event is measurable
-                    # with many connections): one chunk in, the same bytes straight
-                    # out; anything unusual goes through _read, which handles it all.
-                    try:
-                        n = splice_in(fd, h.pipe_w, CHUNK)
-                    except BlockingIOError:
-                        continue
-                    except OSError as exc:
-                        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                            raise
-                        dirty = self._read(h) or dirty  # switches to the buffer path
-                        continue
-                    if not n:
-                        h.eof = True
-                        self._pass_eof(h)
+                    if self._read(h):
                         dirty = True
-                        continue
-                    if h.up:
-                        self.bytes_up += n
-                    else:
-                        self.bytes_down += n
-                    # Pending before the write: if it raises, _finish must know the
-                    # thread's pipe still holds bytes.
-                    h.pending = n
-                    try:
-                        h.pending = n - splice_out(h.pipe_r, h.dst_fd, n)
-                    except BlockingIOError:
-                        pass
-                    if h.pending and not self._flush(h):
-                        dirty = True  # dst is full: wait for POLLOUT
-                    elif n == CHUNK and self._read(h):
-                        dirty = True  # more may be waiting: read on until a short read
                 if not dirty:
                     continue  # the common case: bytes moved, nothing else changed
                 if up.shut and down.shut:
