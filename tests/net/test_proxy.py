@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import hashlib
+import logging
 import os
 import socket
 import struct
@@ -17,6 +19,9 @@ import pytest
 from extractedprism import gilcall
 from extractedprism import pipe as pipe_mod
 from extractedprism.endpoints import Endpoint
+from extractedprism.metrics import Metrics
+from extractedprism.proxy import Proxy
+from extractedprism.registry import Registry
 from extractedprism.sockopts import USER_TIMEOUT_MS
 from tests.fakes.upstream import EchoServer
 from tests.util import http, wait_until
@@ -367,3 +372,43 @@ def test_stopped_app_releases_every_fd(servers):
     app.stop()
     # Listener, health server, sockets and every pipe thread's kernel pipes are closed.
     wait_until(lambda: len(os.listdir("/proc/self/fd")) <= before, 5)
+
+
+class _ListenerOutOfFds:
+    """The real listener, except that its first ``failures`` accepts fail with EMFILE."""
+
+    def __init__(self, real: socket.socket, failures: int) -> None:
+        self._real = real
+        self.failures = failures
+
+    def _accept(self) -> tuple[int, object]:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return self._real._accept()  # type: ignore[attr-defined, no-any-return]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+
+def test_accept_out_of_descriptors_warns_once_per_episode(servers, caplog):
+    (up,) = servers(1)
+    reg = Registry(metrics=Metrics(), selection="random", readyz=False, drain_timeout=1.0,
+                   max_connections=16)
+    reg.set_endpoints([up.endpoint])
+    px = Proxy(reg, bind_address="127.0.0.1", bind_port=0, dial_timeout=1.0,
+               max_connections=16)
+    px.bind()
+    assert px._listener is not None
+    px._listener = _ListenerOutOfFds(px._listener, failures=4)  # type: ignore[assignment]
+    px.start()
+    try:
+        with socket.create_connection(px.address, timeout=5) as s:
+            assert s.recv(64)  # served once descriptors are back
+        wait_until(lambda: any("accept recovered" in r.getMessage() for r in caplog.records),
+                   5, message="recovery logged")
+        failed = [r.levelno for r in caplog.records if "accept failed" in r.getMessage()]
+        # One warning for the episode; its retries at debug.
+        assert failed == [logging.WARNING] + [logging.DEBUG] * 3
+    finally:
+        assert px.shutdown(5)
