@@ -208,9 +208,11 @@ def endpoints_from_slice(obj: Any) -> list[Endpoint]:
     return parse_slice(obj) or []
 
 
+def union(endpoint_lists: Iterable[Iterable[Endpoint]]) -> list[Endpoint]:
+    """The endpoints of several slices, deduplicated and sorted (the provider's update)."""
+    return sorted({e for endpoints in endpoint_lists for e in endpoints})
+
+
 def endpoints_from_slices(objs: Iterable[Any]) -> list[Endpoint]:
     """Deduplicated, sorted endpoints of every slice; never raises."""
-    seen: set[Endpoint] = set()
-    for obj in objs:
-        seen.update(endpoints_from_slice(obj))
-    return sorted(seen)
+    return union(endpoints_from_slice(obj) for obj in objs)

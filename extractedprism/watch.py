@@ -62,6 +62,7 @@ from extractedprism.slices import (
     service_label,
     slice_content,
     slice_name,
+    union,
 )
 
 log = logging.getLogger(__name__)
@@ -324,7 +325,7 @@ class KubernetesProvider:
         return _Cached(content, kept)
 
     def _publish(self) -> None:
-        endpoints = sorted({e for c in self._cache.values() for e in c.endpoints})
+        endpoints = union(c.endpoints for c in self._cache.values())
         if endpoints == self._sent:
             return
         self._sent = endpoints
