@@ -317,12 +317,11 @@ def validate(values: dict[str, str | None]) -> Config:
                  "health_check_token_file"):
         if name in out and not str(out[name]).strip():
             out[name] = ""
-    if have("health_check") and out["health_check"] == "readyz" and not str(raw.get(
-        "health_check_ca_file", ""
-    )).strip():
+    if have("health_check") and out["health_check"] == "readyz" and not out.get(
+        "health_check_ca_file"
+    ):
         problems.append("--health-check=readyz requires --health-check-ca-file")
-    cert = str(raw.get("health_check_cert_file", "")).strip()
-    key = str(raw.get("health_check_key_file", "")).strip()
+    cert, key = out.get("health_check_cert_file"), out.get("health_check_key_file")
     if bool(cert) != bool(key):
         given, missing = (
             ("--health-check-cert-file", "--health-check-key-file")

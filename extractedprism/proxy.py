@@ -1,8 +1,8 @@
 """Proxy: the listener, the acceptor thread and the bounded pool of pipe threads.
 
 # design
-The acceptor thread owns the listening socket. Before each ``accept`` it takes a slot
-from a semaphore sized by ``--max-connections``; at the limit it stops accepting, so
+The acceptor thread owns the listening socket. It counts live connections against
+``--max-connections`` (one counter under the pool lock); at the limit it stops accepting, so
 new clients wait in the kernel backlog (HAProxy's maxconn) instead of piling up
 threads. Each accepted socket is handed straight to one parked pipe thread: the most recently
 parked one (LIFO), so hot threads with warm stacks and kernel pipes do the work, and
