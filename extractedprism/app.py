@@ -121,7 +121,10 @@ class App:
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
-                           pipe_sched=config.pipe_sched)
+                           pipe_sched=config.pipe_sched, relay=config.relay)
+        # "native" or "python": the byte copy in use (logged at start; /upstreams and
+        # extractedprism_build_info{relay=...} show it).
+        self.relay = self.proxy.relay
         self.merger = Merger(self.registry.set_endpoints, self.metrics)
         self.discovery: KubernetesProvider | None = None
         self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
@@ -172,9 +175,9 @@ class App:
         host, port = self.proxy.address
         hhost, hport = self.health.address
         log.info("extractedprism started listen=%s:%d health=%s:%d endpoints=%s selection=%s "
-                 "health_check=%s discovery=%s", host, port, hhost, hport,
+                 "health_check=%s discovery=%s relay=%s", host, port, hhost, hport,
                  ",".join(str(e) for e in cfg.endpoints), cfg.upstream_selection,
-                 cfg.health_check, cfg.enable_discovery)
+                 cfg.health_check, cfg.enable_discovery, self.relay)
 
     def _start_discovery(self) -> None:
         # Imported here: the kubernetes client takes ~0.5 s to import, which static-only

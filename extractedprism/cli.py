@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import os
 import resource
 import signal
 import sys
@@ -115,14 +114,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {problem}", file=sys.stderr)
         return 2
 
+    from extractedprism.pipe import RelayUnavailable, resolve_relay
+
+    try:
+        resolve_relay(config.relay)
+    except RelayUnavailable as exc:
+        print("extractedprism: invalid configuration:", file=sys.stderr)
+        print(f"  --relay ({config.relay}): {exc}", file=sys.stderr)
+        return 2
+
     setup_logging(config.log_level)
     # SIGUSR1: named stacks from the main thread. SIGUSR2: faulthandler's dump, which
     # works even when a thread holds the GIL and the main thread cannot run.
     signal.signal(signal.SIGUSR1, dump_threads)
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     _raise_fd_limit()
-    # Shorter GIL slices cut the wait of a woken pipe thread under many connections.
-    sys.setswitchinterval(float(os.environ.get("EP_SWITCH_INTERVAL", "0.001")))
+    # Shorter GIL slices cut the wait of a woken pipe thread under many connections
+    # (measured: 0.2-5 ms are all within the noise; docs/performance.md).
+    sys.setswitchinterval(0.001)
 
     from extractedprism.app import App
 

@@ -19,6 +19,7 @@ LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
 SELECTION_MODES = ("random", "latency", "least-conn")
 HEALTH_CHECKS = ("tcp", "readyz")
 PIPE_SCHED_POLICIES = ("batch", "normal")
+RELAYS = ("auto", "native", "python")
 
 
 class ConfigError(ValueError):
@@ -201,6 +202,15 @@ FLAGS: tuple[Flag, ...] = (
         "saves most context switches) or normal (SCHED_OTHER)",
         PIPE_SCHED_POLICIES,
     ),
+    Flag(
+        "relay",
+        "choice",
+        "auto",
+        "How connections copy bytes: native (the C extension: one blocking splice loop per "
+        "connection with the GIL released), python (the pure-Python poll loop) or auto "
+        "(native when the extension loads, else python); native exits 2 when it cannot load",
+        RELAYS,
+    ),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
@@ -235,6 +245,7 @@ class Config:
     kubeconfig: str = ""
     max_connections: int = 4096
     pipe_sched: str = "batch"
+    relay: str = "auto"
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from extractedprism import sched
 from extractedprism.endpoints import Endpoint, is_ip
-from extractedprism.pipe import Pipe, release_thread_resources
+from extractedprism.pipe import Pipe, release_thread_resources, resolve_relay
 from extractedprism.registry import Registry
 from extractedprism.sockopts import CONNECTION_SOCKOPTS, apply_sockopts, describe_error, dial
 
@@ -102,12 +102,16 @@ class Proxy:
 
     def __init__(self, registry: Registry, *, bind_address: str, bind_port: int,
                  dial_timeout: float, max_connections: int, pipe_sched: str = "batch",
+                 relay: str = "auto",
                  on_accept_loop: Callable[[], None] | None = None) -> None:
         self._registry = registry
         self._bind = (bind_address, bind_port)
         self._dial_timeout = dial_timeout
         self._max = max_connections
         self._sched = pipe_sched
+        # The byte copy every connection uses, "native" or "python", fixed at start (raises
+        # RelayUnavailable for relay="native" without the extension).
+        self.relay = resolve_relay(relay)
         self._pool_lock = threading.Lock()
         # Live connections (slots taken), under _pool_lock; the acceptor waits on
         # _slot_freed only while saturated, so the common path is one C-level lock.
@@ -368,7 +372,7 @@ class Proxy:
                     continue
             assert addr is not None
             pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
-                        upstream_nonblocking=True)  # dial() makes it so
+                        relay=self.relay)
             if not reg.attach(addr, pipe):
                 upstream.close()
                 if drain_retry and not reg.closing:

@@ -11,16 +11,13 @@ import time
 
 import pytest
 
-from extractedprism import gilcall, sched
+from extractedprism import sched
 from extractedprism.endpoints import Endpoint
 from extractedprism.sockopts import CONNECTION_SOCKOPTS, dial
 from tests.util import wait_until
 
 
-@pytest.mark.parametrize("libc", [True, False])
-def test_dial_returns_connected_nonblocking_socket_with_options(monkeypatch, libc):
-    if not libc:  # the stdlib fallback where the libc calls are unavailable
-        monkeypatch.setattr(gilcall, "AVAILABLE", False)
+def test_dial_returns_connected_nonblocking_socket_with_options():
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
         sock = dial(Endpoint("127.0.0.1", port), 2.0)

@@ -1,0 +1,174 @@
+/* _relay: the native byte relay of one connection (pipe.py's fallback is the Python loop).
+ *
+ * relay(client_fd, upstream_fd, pipes, counters) -> (errno, left_up, left_down)
+ *
+ * Copies both directions between two connected sockets until both are done, with the
+ * GIL released for the whole call, exactly as a blocking socket.sendfile() would: the
+ * pipe thread that called it sleeps in poll() and no other thread has to hand it the
+ * GIL for every readiness event (docs/performance.md, issue 16).
+ *
+ *   pipes     (up_r, up_w, down_r, down_w): the calling thread's two non-blocking
+ *             kernel pipes, reused across its connections; bytes go socket -> pipe ->
+ *             socket with splice(), never through user space.
+ *   counters  a writable buffer of two aligned uint64 (bytes client->upstream,
+ *             upstream->client), updated live so other threads can read them.
+ *
+ * Returns errno 0 when both directions ended with EOF (each passed on with
+ * shutdown(SHUT_WR) after the bytes read before it were written), else the errno of
+ * the first failure (a reset, say): the caller then resets both peers (SO_LINGER 0).
+ * left_up/left_down are the bytes still in each kernel pipe: nonzero means the caller
+ * must drop those pipes, or the thread's next connection would receive them.
+ * Another thread ends the call by shutting either socket down (shutdown(SHUT_RDWR)
+ * wakes poll: reads see EOF, writes fail). The caller owns and closes both sockets;
+ * this only makes them O_NONBLOCK (Python's socket objects are not told; the caller
+ * does no blocking I/O on them afterwards).
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define CHUNK (64 * 1024)
+#define SPLICE_FLAGS (SPLICE_F_MOVE | SPLICE_F_NONBLOCK)
+/* Reported whatever was asked for; the next splice on that fd says what happened. */
+#define WOKE (POLLERR | POLLHUP | POLLNVAL)
+
+/* One direction, src -> dst. */
+struct half {
+    int src, dst;         /* sockets */
+    int pipe_r, pipe_w;   /* this direction's kernel pipe */
+    size_t pending;       /* bytes read into the pipe, not yet written to dst */
+    int eof;              /* src said EOF */
+    int shut;             /* EOF passed on to dst: this direction is finished */
+    uint64_t *count;      /* live byte counter in the caller's buffer */
+};
+
+static int set_nonblocking(int fd) {
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0) return -1;
+    return (flags & O_NONBLOCK) ? 0 : fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+}
+
+/* Pass EOF on once everything read before it is out. 0, or an errno. */
+static int pass_eof(struct half *h) {
+    if (!h->eof || h->pending || h->shut) return 0;
+    h->shut = 1;
+    /* ENOTCONN: the peer is gone already, and the other direction will say so. */
+    if (shutdown(h->dst, SHUT_WR) < 0 && errno != ENOTCONN) return errno;
+    return 0;
+}
+
+/* Write what the pipe holds; stops at EAGAIN (poll then waits for POLLOUT). */
+static int flush(struct half *h) {
+    while (h->pending) {
+        ssize_t n = splice(h->pipe_r, NULL, h->dst, NULL, h->pending, SPLICE_FLAGS);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno == EAGAIN ? 0 : errno;
+        }
+        h->pending -= (size_t)n;
+    }
+    return pass_eof(h);
+}
+
+/* src is readable: move what it has on, until it is empty, dst is full, or EOF. */
+static int pump(struct half *h) {
+    while (!h->eof && !h->pending) {
+        ssize_t n = splice(h->src, NULL, h->pipe_w, NULL, CHUNK, SPLICE_FLAGS);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno == EAGAIN ? 0 : errno;
+        }
+        if (n == 0) {
+            h->eof = 1;
+            return pass_eof(h);
+        }
+        h->pending = (size_t)n;
+        __atomic_store_n(h->count, *h->count + (uint64_t)n, __ATOMIC_RELAXED);
+        int err = flush(h);
+        if (err) return err;
+        if (n < CHUNK) break; /* a short read: src is (almost surely) empty, back to poll */
+    }
+    return 0;
+}
+
+/* What fd needs from poll: input for the direction it feeds, output for the one that
+ * waits on it. An fd needing nothing is left out (-1), or its HUP would spin poll. */
+static void interest(struct pollfd *p, int fd, const struct half *in, const struct half *out) {
+    short ev = 0;
+    if (!in->eof && !in->pending) ev |= POLLIN;
+    if (out->pending) ev |= POLLOUT;
+    p->fd = ev ? fd : -1;
+    p->events = ev;
+    p->revents = 0;
+}
+
+static int run(struct half h[2]) {
+    int c = h[0].src, u = h[1].src;
+    while (!(h[0].shut && h[1].shut)) {
+        struct pollfd pf[2];
+        interest(&pf[0], c, &h[0], &h[1]);
+        interest(&pf[1], u, &h[1], &h[0]);
+        if (poll(pf, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        for (int d = 0; d < 2; d++) {
+            /* Direction d writes to pf[1-d]'s fd and reads from pf[d]'s. A HUP or ERR
+             * wakes whichever call will report it: the write's or the read's. */
+            int err = 0;
+            if ((pf[1 - d].events & POLLOUT) && (pf[1 - d].revents & (POLLOUT | WOKE)))
+                err = flush(&h[d]);
+            if (!err && (pf[d].events & POLLIN) && (pf[d].revents & (POLLIN | WOKE)))
+                err = pump(&h[d]);
+            if (err) return err;
+        }
+    }
+    return 0;
+}
+
+static PyObject *relay(PyObject *self, PyObject *args) {
+    (void)self;
+    int cfd, ufd, up_r, up_w, down_r, down_w;
+    Py_buffer counters;
+    if (!PyArg_ParseTuple(args, "ii(iiii)w*:relay", &cfd, &ufd, &up_r, &up_w, &down_r, &down_w,
+                          &counters))
+        return NULL;
+    if (counters.len < (Py_ssize_t)(2 * sizeof(uint64_t)) ||
+        (uintptr_t)counters.buf % _Alignof(uint64_t)) {
+        PyBuffer_Release(&counters);
+        PyErr_SetString(PyExc_ValueError, "counters must be 16 aligned bytes");
+        return NULL;
+    }
+    uint64_t *count = counters.buf;
+    struct half h[2] = {
+        {cfd, ufd, up_r, up_w, 0, 0, 0, &count[0]},
+        {ufd, cfd, down_r, down_w, 0, 0, 0, &count[1]},
+    };
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = (set_nonblocking(cfd) < 0 || set_nonblocking(ufd) < 0) ? errno : run(h);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&counters);
+    return Py_BuildValue("(inn)", err, (Py_ssize_t)h[0].pending, (Py_ssize_t)h[1].pending);
+}
+
+static PyMethodDef methods[] = {
+    {"relay", relay, METH_VARARGS,
+     "relay(client_fd, upstream_fd, (up_r, up_w, down_r, down_w), counters) -> "
+     "(errno, left_up, left_down)\n\nCopy both directions until both end (GIL released)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_relay", "Native splice relay for one connection.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__relay(void) { return PyModule_Create(&module); }
