@@ -35,7 +35,7 @@ from collections.abc import Callable
 from extractedprism import sched
 from extractedprism.endpoints import Endpoint, is_ip
 from extractedprism.pipe import Pipe, release_thread_resources, resolve_relay
-from extractedprism.registry import Registry
+from extractedprism.registry import Registry, Reservation
 from extractedprism.sockopts import CONNECTION_SOCKOPTS, apply_sockopts, describe_error, dial
 
 log = logging.getLogger(__name__)
@@ -356,29 +356,21 @@ class Proxy:
         drain_retry = True
         reg = self._registry
         while True:
-            ep = reg.pick(exclude=tried)
-            if ep is None:
-                upstream, addr = self._panic_dial(tried)
-                if upstream is None:
-                    log.info("no upstream available; closing client client=%s", client)
-                    client_sock.close()
-                    return
-            else:
-                addr = str(ep)
-                tried.add(addr)
-                upstream = self._dial(ep, self._dial_timeout)
-                if upstream is None:
-                    reg.abandon(addr)
-                    continue
-            assert addr is not None
-            pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
-                        relay=self.relay)
-            if not reg.attach(addr, pipe):
+            upstream, res = self._connect(tried)
+            if upstream is None or res is None:
+                log.info("no upstream available; closing client client=%s", client)
+                client_sock.close()
+                return
+            addr = res.address
+            with res:  # attach ends the reservation; anything raised before it too
+                pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
+                            relay=self.relay)
+                attached = reg.attach(res, pipe)
+            if not attached:
                 upstream.close()
                 if drain_retry and not reg.closing:
                     # The endpoint started draining while we dialed: one retry elsewhere.
                     drain_retry = False
-                    tried.add(addr)
                     if reg.any_pickable(exclude=tried):
                         continue
                 client_sock.close()
@@ -389,6 +381,25 @@ class Proxy:
             finally:
                 reg.detach(addr, pipe)
             return
+
+    def _connect(self, tried: set[str]) -> tuple[socket.socket | None, Reservation | None]:
+        """Pick and dial until one upstream answers, each tried at most once (``tried``
+        collects them); panic mode when nothing is pickable. The reservation returned
+        with the socket is still held: the caller attaches or releases it."""
+        reg = self._registry
+        while True:
+            res = reg.reserve(exclude=tried)
+            if res is None:
+                return self._panic_dial(tried)
+            tried.add(res.address)
+            sock = None
+            try:
+                sock = self._dial(res.endpoint, self._dial_timeout)
+            finally:
+                if sock is None:
+                    res.release()
+            if sock is not None:
+                return sock, res
 
     def _dial(self, ep: Endpoint, timeout: float, *, panic: bool = False
               ) -> socket.socket | None:
@@ -411,16 +422,23 @@ class Proxy:
         self._registry.record_dial(addr, True)
         return sock
 
-    def _panic_dial(self, tried: set[str]) -> tuple[socket.socket | None, str | None]:
+    def _panic_dial(self, tried: set[str]) -> tuple[socket.socket | None, Reservation | None]:
         """Nothing pickable: try every known upstream within one dial timeout overall."""
         deadline = time.monotonic() + self._dial_timeout
         for ep in self._registry.panic_order(exclude=tried):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._stopping.is_set():
                 break
-            addr = str(ep)
-            tried.add(addr)
-            sock = self._dial(ep, remaining, panic=True)
+            res = self._registry.reserve_endpoint(ep)
+            if res is None:
+                continue  # removed meanwhile
+            tried.add(res.address)
+            sock = None
+            try:
+                sock = self._dial(ep, remaining, panic=True)
+            finally:
+                if sock is None:
+                    res.release()
             if sock is not None:
-                return sock, addr
+                return sock, res
         return None, None

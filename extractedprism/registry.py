@@ -72,6 +72,37 @@ class _Upstream:
     last_success: float = 0.0
 
 
+class Reservation:
+    """A picked upstream, counted as a dial in flight (least-conn sees it) until the
+    connection is attached or the reservation released; a context manager, so no path,
+    an exception's included, leaves the count behind. Releasing twice, or after attach,
+    does nothing."""
+
+    __slots__ = ("_lock", "_up", "address", "endpoint")
+
+    def __init__(self, lock: threading.RLock, up: _Upstream, address: str) -> None:
+        self._lock = lock
+        self._up: _Upstream | None = up  # the record counted, even if replaced since
+        self.address = address
+        self.endpoint = up.endpoint
+
+    def _take_locked(self) -> None:
+        up, self._up = self._up, None
+        if up is not None and up.dialing > 0:
+            up.dialing -= 1
+
+    def release(self) -> None:
+        if self._up is not None:
+            with self._lock:
+                self._take_locked()
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 @dataclass(frozen=True)
 class ConnView:
     client: str
@@ -237,22 +268,42 @@ class Registry:
             for addr, up in self._ups.items()
         ]
 
+    def _choose_locked(self, exclude: Iterable[str]) -> str | None:
+        return choose(
+            self._candidates_locked(),
+            mode=self._selection,
+            readyz=self._readyz,
+            rng=self._rng,
+            exclude=frozenset(exclude) if exclude else (),
+        )
+
     def pick(self, exclude: Iterable[str] = ()) -> Endpoint | None:
-        """The upstream for a new connection, or None when nothing is pickable."""
+        """The upstream a new connection would get now (no reservation; see reserve)."""
         with self.lock:
-            addr = choose(
-                self._candidates_locked(),
-                mode=self._selection,
-                readyz=self._readyz,
-                rng=self._rng,
-                exclude=frozenset(exclude) if exclude else (),
-            )
+            addr = self._choose_locked(exclude)
+            return None if addr is None else self._ups[addr].endpoint
+
+    def reserve(self, exclude: Iterable[str] = ()) -> Reservation | None:
+        """Pick the upstream for a new connection and count its dial in flight, so
+        concurrent picks see each other; None when nothing is pickable."""
+        with self.lock:
+            addr = self._choose_locked(exclude)
             if addr is None:
                 return None
             up = self._ups[addr]
-            # Counted until attach() or abandon(), so concurrent picks see each other.
             up.dialing += 1
-            return up.endpoint
+            return Reservation(self.lock, up, addr)
+
+    def reserve_endpoint(self, endpoint: Endpoint) -> Reservation | None:
+        """Count a dial to ``endpoint`` chosen outside selection (panic mode); None if
+        it is no longer known."""
+        addr = str(endpoint)
+        with self.lock:
+            up = self._ups.get(addr)
+            if up is None:
+                return None
+            up.dialing += 1
+            return Reservation(self.lock, up, addr)
 
     def any_pickable(self, exclude: Iterable[str] = ()) -> bool:
         skip = frozenset(exclude)
@@ -260,12 +311,10 @@ class Registry:
             return any(u.healthy and not u.draining and a not in skip
                        for a, u in self._ups.items())
 
-    def abandon(self, addr: str) -> None:
-        """A picked upstream was not used after all (its dial failed)."""
-        with self.lock:
-            up = self._ups.get(addr)
-            if up is not None and up.dialing > 0:
-                up.dialing -= 1
+    @staticmethod
+    def abandon(reservation: Reservation) -> None:
+        """A reserved upstream was not used after all (its dial failed)."""
+        reservation.release()
 
     def panic_order(self, exclude: Iterable[str] = ()) -> list[Endpoint]:
         """Every non-draining upstream, most recently successful first (panic mode)."""
@@ -448,12 +497,18 @@ class Registry:
 
     # -- connections --------------------------------------------------------------
 
-    def attach(self, addr: str, conn: Tracked) -> bool:
-        """Track a connection that just dialed ``addr``; False if it drains or left."""
+    def attach(self, target: Reservation | str, conn: Tracked) -> bool:
+        """Track a connection that just dialed its reserved upstream (the reservation
+        ends here, attached or not); False if the upstream drains or left meanwhile.
+
+        A plain address attaches without a reservation (tests and tools)."""
         with self.lock:
+            if isinstance(target, Reservation):
+                target._take_locked()
+                addr = target.address
+            else:
+                addr = target
             up = self._ups.get(addr)
-            if up is not None and up.dialing > 0:
-                up.dialing -= 1
             if up is None or up.draining or self._closing:
                 return False
             up.conns[id(conn)] = conn
