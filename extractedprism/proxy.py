@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from extractedprism import sched
 from extractedprism.endpoints import Endpoint, is_ip
@@ -41,7 +42,8 @@ from extractedprism.sockopts import CONNECTION_SOCKOPTS, apply_sockopts, describ
 log = logging.getLogger(__name__)
 
 PRESTART_THREADS = 64  # a node's usual clients (kubelet, proxies, CNI, daemons) without a spawn
-PIPE_IDLE_EXIT_S = 60.0  # pipe threads beyond PRESTART_THREADS idle this long exit
+PIPE_IDLE_EXIT_S = 10.0  # pipe threads beyond PRESTART_THREADS idle this long exit
+PIPE_IDLE_RELEASE_S = 3.0  # a parked thread idle this long closes its kernel pipes
 PIPE_THREAD_STACK = 256 * 1024  # copy loops are shallow; the default 8 MiB is address space
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -85,6 +87,17 @@ def open_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True)
+class PoolView:
+    """The pipe-thread pool at one moment, and its high-water marks since start."""
+
+    threads: int
+    idle: int
+    live: int  # connections accepted and not yet finished
+    peak_threads: int
+    peak_live: int
+
+
 class _Worker:
     """A pipe thread's parking spot: the acceptor sets ``item`` and releases ``wake``."""
 
@@ -116,6 +129,8 @@ class Proxy:
         # Live connections (slots taken), under _pool_lock; the acceptor waits on
         # _slot_freed only while saturated, so the common path is one C-level lock.
         self._live = 0
+        self._peak_live = 0
+        self._peak_threads = 0
         self._saturated = False
         self._slot_freed = threading.Event()
         # Whether accepted sockets still need the connection options set one by one
@@ -154,6 +169,11 @@ class Proxy:
         self._acceptor = threading.Thread(name="acceptor", target=self._accept_loop,
                                           daemon=True)
         self._acceptor.start()
+
+    def pool(self) -> PoolView:
+        with self._pool_lock:
+            return PoolView(len(self._workers), len(self._parked), self._live,
+                            self._peak_threads, self._peak_live)
 
     def acceptor_alive(self) -> bool:
         return self._acceptor is not None and self._acceptor.is_alive()
@@ -259,6 +279,8 @@ class Proxy:
                           "setting them per connection")
         with self._pool_lock:
             self._live += 1
+            if self._live > self._peak_live:
+                self._peak_live = self._live
             w = self._parked.pop() if self._parked else None
         if w is not None:
             w.item = (sock, client)
@@ -282,6 +304,8 @@ class Proxy:
             w.thread = threading.Thread(name=f"pipe-idle-{self._seq}",
                                         target=self._worker_loop, args=(w,), daemon=True)
             self._workers.append(w)
+            if len(self._workers) > self._peak_threads:
+                self._peak_threads = len(self._workers)
         try:
             w.thread.start()
         except RuntimeError:
@@ -313,32 +337,45 @@ class Proxy:
                         sock.close()
                     finally:
                         me.name = idle_name
-                        self._release_slot()
-                if not self._park(w):
+                if not self._park(w, served=item is not None):
                     return
         finally:
             release_thread_resources()
 
-    def _park(self, w: _Worker) -> bool:
-        """Wait for the next connection; False when this thread should exit.
+    def _park(self, w: _Worker, served: bool) -> bool:
+        """Free the connection's slot, wait for the next connection; False when this
+        thread should exit.
 
-        After a burst, idle threads beyond the pre-started ones leave the pool (the
-        LIFO hand-off keeps them the coldest), giving back the threads and fds a burst
-        created.
+        The slot is freed and the thread parked in one step: a thread never counts as
+        neither busy nor idle, so the acceptor starts a thread only when every thread
+        serves a live connection, and a burst never starts more threads than there are
+        connections alive at once. After a burst, a parked thread gives its kernel pipes
+        back after PIPE_IDLE_RELEASE_S, and threads beyond the pre-started ones leave the
+        pool after idle_exit_s (the LIFO hand-off keeps them the coldest), so threads
+        and descriptors return to the idle baseline.
         """
         with self._pool_lock:
+            if served:
+                self._live -= 1
+                if self._saturated:
+                    self._slot_freed.set()
             if self._stopping.is_set():
                 self._workers.remove(w)
                 return False
             self._parked.append(w)
-        while not w.wake.acquire(timeout=self.idle_exit_s):
-            with self._pool_lock:
-                if w in self._parked and len(self._workers) > self._prestart:
-                    self._parked.remove(w)
-                    self._workers.remove(w)
-                    return False
-            # Still parked (pre-started), or the acceptor just picked this thread and
-            # is about to release wake: wait again.
+        if not w.wake.acquire(timeout=min(PIPE_IDLE_RELEASE_S, self.idle_exit_s)):
+            # Idle: the next connection makes fresh pipes (a few microseconds), so a
+            # parked thread holds no descriptors.
+            release_thread_resources()
+            rest = max(0.05, self.idle_exit_s - PIPE_IDLE_RELEASE_S)
+            while not w.wake.acquire(timeout=rest):
+                with self._pool_lock:
+                    if w in self._parked and len(self._workers) > self._prestart:
+                        self._parked.remove(w)
+                        self._workers.remove(w)
+                        return False
+                # Still parked (pre-started), or the acceptor just picked this thread
+                # and is about to release wake: wait again.
         if w.item is None:  # shutdown
             with self._pool_lock:
                 if w in self._workers:
