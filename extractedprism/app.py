@@ -121,7 +121,8 @@ class App:
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
-                           pipe_sched=config.pipe_sched, relay=config.relay)
+                           pipe_sched=config.pipe_sched, relay=config.relay,
+                           dial_hedge_delay=config.dial_hedge_delay)
         # "native" or "python": the byte copy in use (logged at start; /upstreams and
         # extractedprism_build_info{relay=...} show it).
         self.relay = self.proxy.relay

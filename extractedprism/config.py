@@ -255,6 +255,15 @@ FLAGS: tuple[Flag, ...] = (
         "(native when the extension loads, else python); native exits 2 when it cannot load",
         RELAYS,
     ),
+    Flag(
+        "dial-hedge-delay",
+        "duration",
+        "250ms",
+        "When a dial to an upstream has not connected within this delay, dial a second "
+        "pickable upstream too and keep the first to connect (the slower dial still runs to "
+        "its end and counts); 0 turns hedging off",
+        checks=(NOT_NEGATIVE,),
+    ),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
@@ -357,6 +366,7 @@ class Config:
     max_connections: int = 4096
     pipe_sched: str = "batch"
     relay: str = "auto"
+    dial_hedge_delay: float = 0.25
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""

@@ -34,10 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from extractedprism import sched
-from extractedprism.endpoints import Endpoint, is_ip
+from extractedprism.dialer import FD_ERRNOS, Dialer
+from extractedprism.endpoints import is_ip
 from extractedprism.pipe import Pipe, release_thread_resources, resolve_relay
-from extractedprism.registry import Registry, Reservation
-from extractedprism.sockopts import CONNECTION_SOCKOPTS, apply_sockopts, describe_error, dial
+from extractedprism.registry import Registry
+from extractedprism.sockopts import CONNECTION_SOCKOPTS, apply_sockopts
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ PRESTART_THREADS = 64  # a node's usual clients (kubelet, proxies, CNI, daemons)
 PIPE_IDLE_EXIT_S = 10.0  # pipe threads beyond PRESTART_THREADS idle this long exit
 PIPE_IDLE_RELEASE_S = 3.0  # a parked thread idle this long closes its kernel pipes
 PIPE_THREAD_STACK = 256 * 1024  # copy loops are shallow; the default 8 MiB is address space
-_FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_FD_ERRNOS = FD_ERRNOS
 
 
 def _has_opts(sock: socket.socket) -> bool | None:
@@ -115,7 +116,7 @@ class Proxy:
 
     def __init__(self, registry: Registry, *, bind_address: str, bind_port: int,
                  dial_timeout: float, max_connections: int, pipe_sched: str = "batch",
-                 relay: str = "auto",
+                 relay: str = "auto", dial_hedge_delay: float = 0.0,
                  on_accept_loop: Callable[[], None] | None = None) -> None:
         self._registry = registry
         self._bind = (bind_address, bind_port)
@@ -139,6 +140,8 @@ class Proxy:
         self._workers: list[_Worker] = []  # every pipe thread, under _pool_lock
         self._parked: list[_Worker] = []  # idle ones, most recently parked last
         self._stopping = threading.Event()
+        self._dialer = Dialer(registry, dial_timeout=dial_timeout,
+                              hedge_delay=dial_hedge_delay, stopping=self._stopping)
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._seq = 0
@@ -205,6 +208,7 @@ class Proxy:
             w.item = None
             w.wake.release()
         ok = True
+        self._dialer.shutdown()
         for w in workers:
             t = w.thread
             assert t is not None
@@ -393,7 +397,7 @@ class Proxy:
         drain_retry = True
         reg = self._registry
         while True:
-            upstream, res = self._connect(tried)
+            upstream, res = self._dialer.connect(tried)
             if upstream is None or res is None:
                 log.info("no upstream available; closing client client=%s", client)
                 client_sock.close()
@@ -418,64 +422,3 @@ class Proxy:
             finally:
                 reg.detach(addr, pipe)
             return
-
-    def _connect(self, tried: set[str]) -> tuple[socket.socket | None, Reservation | None]:
-        """Pick and dial until one upstream answers, each tried at most once (``tried``
-        collects them); panic mode when nothing is pickable. The reservation returned
-        with the socket is still held: the caller attaches or releases it."""
-        reg = self._registry
-        while True:
-            res = reg.reserve(exclude=tried)
-            if res is None:
-                return self._panic_dial(tried)
-            tried.add(res.address)
-            sock = None
-            try:
-                sock = self._dial(res.endpoint, self._dial_timeout)
-            finally:
-                if sock is None:
-                    res.release()
-            if sock is not None:
-                return sock, res
-
-    def _dial(self, ep: Endpoint, timeout: float, *, panic: bool = False
-              ) -> socket.socket | None:
-        addr = str(ep)
-        try:
-            sock = dial(ep, timeout)
-        except OSError as exc:
-            reason = describe_error(exc)
-            if exc.errno in _FD_ERRNOS:
-                # Out of descriptors here is not the upstream's fault: no streak, no count.
-                log.warning("dial failed locally upstream=%s reason=%r", addr, reason)
-                return None
-            shutting_down = self._stopping.is_set()
-            # The spec counts no errors "when no upstream was available": panic-mode
-            # attempts are exactly that case, and shutdown failures are not counted.
-            self._registry.record_dial(addr, False, reason,
-                                       count_error=not (shutting_down or panic))
-            log.info("dial failed upstream=%s reason=%r", addr, reason)
-            return None
-        self._registry.record_dial(addr, True)
-        return sock
-
-    def _panic_dial(self, tried: set[str]) -> tuple[socket.socket | None, Reservation | None]:
-        """Nothing pickable: try every known upstream within one dial timeout overall."""
-        deadline = time.monotonic() + self._dial_timeout
-        for ep in self._registry.panic_order(exclude=tried):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._stopping.is_set():
-                break
-            res = self._registry.reserve_endpoint(ep)
-            if res is None:
-                continue  # removed meanwhile
-            tried.add(res.address)
-            sock = None
-            try:
-                sock = self._dial(ep, remaining, panic=True)
-            finally:
-                if sock is None:
-                    res.release()
-            if sock is not None:
-                return sock, res
-        return None, None

@@ -56,6 +56,31 @@ def apply_sockopts(sock: socket.socket, opts: list[SockOpt] = CONNECTION_SOCKOPT
             pass
 
 
+def addresses(endpoint: Endpoint) -> list[tuple[int, tuple]]:  # type: ignore[type-arg]
+    """(family, sockaddr) to try for ``endpoint``, in the resolver's order."""
+    if not endpoint.is_hostname:
+        # An IP literal needs no resolver round trip on every new connection.
+        family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
+        return [(family, (endpoint.host, endpoint.port))]
+    infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
+    return [(family, addr) for family, _, _, _, addr in infos]
+
+
+def begin_connect(family: int, addr: tuple) -> tuple[socket.socket, int]:  # type: ignore[type-arg]
+    """A non-blocking socket with the connection options, its connect started.
+
+    Returns the socket and connect_ex's errno: 0 (connected), EINPROGRESS (poll for
+    POLLOUT, then read SO_ERROR) or a failure (the caller closes the socket).
+    """
+    sock = socket.socket(family, _NONBLOCKING_STREAM)
+    try:
+        apply_sockopts(sock)
+        return sock, sock.connect_ex(addr)
+    except BaseException:
+        sock.close()
+        raise
+
+
 def dial(endpoint: Endpoint, timeout: float) -> socket.socket:
     """Connect to ``endpoint`` within ``timeout`` (name resolution included).
 
@@ -65,21 +90,13 @@ def dial(endpoint: Endpoint, timeout: float) -> socket.socket:
     the GIL) over connect-with-timeout.
     """
     deadline = time.monotonic() + timeout
-    if endpoint.is_hostname:
-        infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
-    else:
-        # An IP literal needs no resolver round trip on every new connection.
-        family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
-        infos = [(family, socket.SOCK_STREAM, 0, "", (endpoint.host, endpoint.port))]
     last: OSError | None = None
-    for family, _, _, _, addr in infos:
+    for family, addr in addresses(endpoint):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("timed out")
-        sock = socket.socket(family, _NONBLOCKING_STREAM)
+        sock, err = begin_connect(family, addr)
         try:
-            apply_sockopts(sock)
-            err = sock.connect_ex(addr)
             if err in (errno.EINPROGRESS, errno.EAGAIN):
                 poller = select.poll()
                 poller.register(sock.fileno(), select.POLLOUT)
