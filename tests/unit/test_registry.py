@@ -368,3 +368,20 @@ def test_changes_reach_the_one_listener_after_the_lock_is_released():
     reg.record_dial(A, True)
     assert seen == [("endpoints", True), ("health", True), ("probe-now", True),
                     ("health", True)]
+
+
+def test_latency_issue_12_example_new_fast_upstream_shares_tier_zero():
+    # A = 1.0 ms and B = 3.48 ms share a tier (B by hysteresis); C arrives at 0.4 ms.
+    # The spec's tier 0 is {C, A}: new connections go to both, not to C alone.
+    reg, *_ = make(selection="latency")
+    reg.set_endpoints(EPS[:2])
+    reg.record_probe(A, ProbeResult(True, 0.001, ""))
+    reg.record_probe(B, ProbeResult(True, 0.0029, ""))
+    reg.record_probe(B, ProbeResult(True, 0.0029 + (0.00348 - 0.0029) / 0.3, ""))
+    assert reg.snapshot().get(B).rtt_seconds == pytest.approx(0.00348)
+    assert (reg.snapshot().get(A).tier, reg.snapshot().get(B).tier) == (0, 0)
+    reg.set_endpoints(EPS)
+    reg.record_probe(C, ProbeResult(True, 0.0004, ""))
+    snap = reg.snapshot()
+    assert (snap.get(C).tier, snap.get(A).tier, snap.get(B).tier) == (0, 0, 1)
+    assert {str(reg.pick()) for _ in range(200)} == {A, C}
