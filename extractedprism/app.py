@@ -25,7 +25,7 @@ from extractedprism.merge import Merger
 from extractedprism.metrics import Metrics
 from extractedprism.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
 from extractedprism.proxy import Proxy
-from extractedprism.registry import Registry
+from extractedprism.registry import Change, Registry
 from extractedprism.ticker import Ticker
 
 if TYPE_CHECKING:
@@ -95,12 +95,12 @@ class App:
         self.metrics = metrics or Metrics()
         self._sa_dir = sa_dir
         self.registry = Registry(
-            metrics=self.metrics,
             selection=config.upstream_selection,
             readyz=config.health_check == "readyz",
             drain_timeout=config.drain_timeout,
             max_connections=config.max_connections,
             rng=rng,
+            on_change=self._registry_changed,
         )
         self.metrics.attach_state(self.registry.snapshot)
         readyz = None
@@ -116,8 +116,6 @@ class App:
                              timeout=config.health_timeout, readyz=readyz,
                              stop=self.stop_event, prober=prober,
                              max_wait=min(config.liveness_interval, config.health_interval))
-        self.registry.on_change = self.ticker.wake
-        self.registry.set_probe_now(self.ticker.probe_now)
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
@@ -132,6 +130,11 @@ class App:
                                    threshold=config.liveness_threshold, stop=self.stop_event)
         self.health: HealthServer | None = None  # made in start(), after the proxy binds
         self._started = False
+
+    def _registry_changed(self, change: Change) -> None:
+        # A bound method rather than a setter patched in later: the ticker needs the
+        # registry first, and the registry calls this only once endpoints are set.
+        self.ticker.registry_changed(change)
 
     # -- addresses -------------------------------------------------------------------
 

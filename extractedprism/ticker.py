@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from extractedprism.endpoints import Endpoint
 from extractedprism.probes import ProbeResult, ReadyzSettings, probe
-from extractedprism.registry import Registry
+from extractedprism.registry import Change, Registry
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,13 @@ class Ticker:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def registry_changed(self, change: Change) -> None:
+        """The registry's change listener: new upstreams, a health flip, a probe due now."""
+        if change.what == "probe-now":
+            self.probe_now(change.address)
+        else:
+            self.wake()
 
     def probe_now(self, address: str) -> None:
         """Schedule an immediate probe of ``address`` (readiness reset after a dial)."""
