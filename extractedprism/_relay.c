@@ -22,15 +22,28 @@
  * wakes poll: reads see EOF, writes fail). The caller owns and closes both sockets;
  * this only makes them O_NONBLOCK (Python's socket objects are not told; the caller
  * does no blocking I/O on them afterwards).
+ *
+ * Two small helpers keep the GIL on purpose: every GIL release is a chance for one of
+ * dozens of busy pipe threads to take it, and winning it back costs a context switch.
+ * They only make calls that cannot block:
+ *
+ * connect(family, host, port, options) -> (fd, errno)
+ *   a non-blocking TCP socket with the options set, its connect started (errno 0,
+ *   EINPROGRESS, or the failure: then fd is already closed and -1).
+ * close_pair(fd1, fd2, reset): close both (SO_LINGER 0 first when reset, so each peer
+ *   gets a reset); close() of a socket without a lingering wait returns at once.
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
 #include <Python.h>
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -159,10 +172,74 @@ static PyObject *relay(PyObject *self, PyObject *args) {
     return Py_BuildValue("(inn)", err, (Py_ssize_t)h[0].pending, (Py_ssize_t)h[1].pending);
 }
 
+static PyObject *connect_start(PyObject *self, PyObject *args) {
+    (void)self;
+    int family, port;
+    const char *host;
+    PyObject *opts;
+    if (!PyArg_ParseTuple(args, "isiO!:connect", &family, &host, &port, &PyTuple_Type, &opts))
+        return NULL;
+    struct sockaddr_storage sa;
+    socklen_t len;
+    memset(&sa, 0, sizeof sa);
+    if (family == AF_INET) {
+        struct sockaddr_in *a = (struct sockaddr_in *)&sa;
+        a->sin_family = AF_INET;
+        a->sin_port = htons((uint16_t)port);
+        len = sizeof *a;
+        if (inet_pton(AF_INET, host, &a->sin_addr) != 1) goto bad_address;
+    } else if (family == AF_INET6) {
+        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&sa;
+        a->sin6_family = AF_INET6;
+        a->sin6_port = htons((uint16_t)port);
+        len = sizeof *a;
+        if (inet_pton(AF_INET6, host, &a->sin6_addr) != 1) goto bad_address;
+    } else {
+        goto bad_address;
+    }
+    int fd = socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(opts); i++) {
+        int level, name, value;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(opts, i), "iii", &level, &name, &value)) {
+            close(fd);
+            return NULL;
+        }
+        /* As apply_sockopts: an option this kernel refuses is skipped. */
+        (void)setsockopt(fd, level, name, &value, sizeof value);
+    }
+    int err = connect(fd, (struct sockaddr *)&sa, len) < 0 ? errno : 0;
+    if (err && err != EINPROGRESS) {
+        close(fd);
+        fd = -1;
+    }
+    return Py_BuildValue("(ii)", fd, err);
+bad_address:
+    PyErr_Format(PyExc_ValueError, "not a numeric address: %s", host);
+    return NULL;
+}
+
+static PyObject *close_pair(PyObject *self, PyObject *args) {
+    (void)self;
+    int fds[2], reset;
+    if (!PyArg_ParseTuple(args, "iip:close_pair", &fds[0], &fds[1], &reset)) return NULL;
+    struct linger rst = {1, 0};
+    for (int i = 0; i < 2; i++) {
+        if (fds[i] < 0) continue;
+        if (reset) (void)setsockopt(fds[i], SOL_SOCKET, SO_LINGER, &rst, sizeof rst);
+        close(fds[i]);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"relay", relay, METH_VARARGS,
      "relay(client_fd, upstream_fd, (up_r, up_w, down_r, down_w), counters) -> "
      "(errno, left_up, left_down)\n\nCopy both directions until both end (GIL released)."},
+    {"connect", connect_start, METH_VARARGS,
+     "connect(family, host, port, options) -> (fd, errno): non-blocking connect started."},
+    {"close_pair", close_pair, METH_VARARGS,
+     "close_pair(fd1, fd2, reset): close both sockets (SO_LINGER 0 first if reset)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -61,8 +61,9 @@ class Dialer:
     """Connects a client connection to an upstream (see the module docstring)."""
 
     def __init__(self, registry: Registry, *, dial_timeout: float, hedge_delay: float,
-                 stopping: threading.Event) -> None:
+                 stopping: threading.Event, native: bool = False) -> None:
         self._registry = registry
+        self._native = native  # the native relay's GIL-holding connect
         self._timeout = dial_timeout
         # A hedge that could only start after the dial gave up would never run.
         self._hedge = hedge_delay if 0 < hedge_delay < dial_timeout else 0.0
@@ -125,7 +126,7 @@ class Dialer:
                        ) -> socket.socket | None:
         addr = str(ep)
         try:
-            sock = dial(ep, timeout)
+            sock = dial(ep, timeout, self._native)
         except OSError as exc:
             self.record(addr, exc, panic=panic)
             return None
@@ -196,9 +197,12 @@ class Dialer:
         while d.addrs:
             family, sockaddr = d.addrs.pop(0)
             try:
-                sock, err = begin_connect(family, sockaddr)
+                sock, err = begin_connect(family, sockaddr, self._native)
             except OSError as exc:
                 last = exc
+                continue
+            if sock is None:
+                last = OSError(err, os.strerror(err))
                 continue
             if err == 0:
                 d.sock = sock

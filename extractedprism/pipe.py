@@ -52,6 +52,7 @@ RELAYS = ("auto", "native", "python")
 try:
     from extractedprism import _relay  # type: ignore[attr-defined]
     _native: Callable[..., tuple[int, int, int]] | None = _relay.relay
+    _close_pair: Callable[[int, int, bool], None] = _relay.close_pair
     NATIVE_ERROR = ""
 except ImportError as _exc:
     _native = None
@@ -167,8 +168,8 @@ class _Half:
 class Pipe:
     """Copies bytes both ways between ``client`` and ``upstream`` until both are done."""
 
-    __slots__ = ("_closed", "_counts", "_mode", "_relay", "client", "client_sock", "started",
-                 "upstream", "upstream_sock")
+    __slots__ = ("_closed", "_counts", "_done", "_lock", "_mode", "_relay", "client",
+                 "client_sock", "started", "upstream", "upstream_sock")
 
     def __init__(self, client: socket.socket, upstream: socket.socket, *, client_addr: str,
                  upstream_addr: str, relay: str = "python", mode: str | None = None) -> None:
@@ -181,6 +182,11 @@ class Pipe:
         # them while it runs, without the GIL, so readers see live bytes either way.
         self._counts = array("Q", (0, 0))
         self._closed = False
+        # close() from another thread and the pipe thread's own close: once _done is set
+        # (under _lock) the sockets are the pipe thread's to close, and close() does
+        # nothing, so it never shuts down a descriptor number already reused.
+        self._lock = threading.Lock()
+        self._done = False
         self._relay = relay  # "native" | "python" (see resolve_relay)
         # The Python loop's copy: "splice" through kernel pipes or "buffer" (tests force
         # "buffer"; it is also the fallback where there is no splice or no spare fd).
@@ -199,11 +205,14 @@ class Pipe:
     def close(self) -> None:
         """Force-close from any thread: wakes the pipe thread, which then cleans up."""
         self._closed = True
-        for sock in (self.client_sock, self.upstream_sock):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        with self._lock:
+            if self._done:
+                return
+            for sock in (self.client_sock, self.upstream_sock):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     # -- the pipe thread ------------------------------------------------------------
 
@@ -230,7 +239,11 @@ class Pipe:
             _drop_thread_pipes()
         if err:
             self._log_failure(OSError(err, os.strerror(err)))
-        self._close_both(abort=bool(err) or self._closed)
+        with self._lock:
+            self._done = True
+            cfd, ufd = c.detach(), u.detach()
+        # Both closes in one GIL-holding call: two fewer GIL hand-offs per connection.
+        _close_pair(cfd, ufd, bool(err) or self._closed)
 
     def _log_failure(self, exc: OSError) -> None:
         if exc.errno in _EXPECTED:
@@ -403,6 +416,8 @@ class Pipe:
         self._close_both(abort)
 
     def _close_both(self, abort: bool) -> None:
+        with self._lock:
+            self._done = True
         if abort:
             # Propagate the reset so neither peer waits on a half-dead connection.
             for sock in (self.client_sock, self.upstream_sock):

@@ -141,7 +141,8 @@ class Proxy:
         self._parked: list[_Worker] = []  # idle ones, most recently parked last
         self._stopping = threading.Event()
         self._dialer = Dialer(registry, dial_timeout=dial_timeout,
-                              hedge_delay=dial_hedge_delay, stopping=self._stopping)
+                              hedge_delay=dial_hedge_delay, stopping=self._stopping,
+                              native=self.relay == "native")
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._seq = 0

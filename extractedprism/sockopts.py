@@ -45,6 +45,12 @@ def _opts() -> list[SockOpt]:
 
 # Client-side and upstream-side connections get the same treatment.
 CONNECTION_SOCKOPTS: list[SockOpt] = _opts()
+_OPTS = tuple(CONNECTION_SOCKOPTS)
+
+try:  # the native relay's GIL-holding connect (see begin_connect)
+    from extractedprism._relay import connect as _native_connect  # type: ignore[attr-defined]
+except ImportError:
+    _native_connect = None
 
 
 def apply_sockopts(sock: socket.socket, opts: list[SockOpt] = CONNECTION_SOCKOPTS) -> None:
@@ -66,12 +72,24 @@ def addresses(endpoint: Endpoint) -> list[tuple[int, tuple]]:  # type: ignore[ty
     return [(family, addr) for family, _, _, _, addr in infos]
 
 
-def begin_connect(family: int, addr: tuple) -> tuple[socket.socket, int]:  # type: ignore[type-arg]
+def begin_connect(family: int, addr: tuple, native: bool = False  # type: ignore[type-arg]
+                  ) -> tuple[socket.socket | None, int]:
     """A non-blocking socket with the connection options, its connect started.
 
-    Returns the socket and connect_ex's errno: 0 (connected), EINPROGRESS (poll for
-    POLLOUT, then read SO_ERROR) or a failure (the caller closes the socket).
+    Returns the socket and connect's errno: 0 (connected), EINPROGRESS (poll for
+    POLLOUT, then read SO_ERROR), or a failure (the socket is then None, or the caller
+    closes it). ``native``: socket, options and connect in one C call that keeps the GIL
+    (none of them blocks), instead of two GIL releases (socket() and connect()).
     """
+    if native and _native_connect is not None and (len(addr) == 2 or not addr[3]):
+        try:
+            fd, err = _native_connect(family, addr[0], addr[1], _OPTS)
+        except ValueError:
+            pass  # not a plain numeric address: the stdlib takes it
+        else:
+            if fd < 0:
+                return None, err
+            return socket.socket(family, socket.SOCK_STREAM, 0, fd), err
     sock = socket.socket(family, _NONBLOCKING_STREAM)
     try:
         apply_sockopts(sock)
@@ -81,7 +99,7 @@ def begin_connect(family: int, addr: tuple) -> tuple[socket.socket, int]:  # typ
         raise
 
 
-def dial(endpoint: Endpoint, timeout: float) -> socket.socket:
+def dial(endpoint: Endpoint, timeout: float, native: bool = False) -> socket.socket:
     """Connect to ``endpoint`` within ``timeout`` (name resolution included).
 
     Returns a connected, non-blocking socket: the relay wants it so, and a socket made
@@ -95,7 +113,10 @@ def dial(endpoint: Endpoint, timeout: float) -> socket.socket:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("timed out")
-        sock, err = begin_connect(family, addr)
+        sock, err = begin_connect(family, addr, native)
+        if sock is None:
+            last = OSError(err, os.strerror(err))
+            continue
         try:
             if err in (errno.EINPROGRESS, errno.EAGAIN):
                 poller = select.poll()

@@ -143,8 +143,8 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
     real_dial = proxy_mod.dial
     fired = threading.Event()
 
-    def racing_dial(ep: Endpoint, timeout: float) -> socket.socket:
-        sock = real_dial(ep, timeout)
+    def racing_dial(ep: Endpoint, timeout: float, *rest: bool) -> socket.socket:
+        sock = real_dial(ep, timeout, *rest)
         if str(ep) == ups[0].address and not fired.is_set():
             fired.set()
             app.registry.set_endpoints([ups[1].endpoint])  # drain starts mid-dial

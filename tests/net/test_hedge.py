@@ -65,10 +65,10 @@ def test_black_holed_upstream_costs_the_hedge_delay_and_reaches_its_streak(
     lock = threading.Lock()
     real_begin = dialer_mod.begin_connect
 
-    def counting_begin(family, addr):  # type: ignore[no-untyped-def]
+    def counting_begin(family, addr, *rest):  # type: ignore[no-untyped-def]
         with lock:
             dials.append(f"{addr[0]}:{addr[1]}")
-        return real_begin(family, addr)
+        return real_begin(family, addr, *rest)
 
     monkeypatch.setattr(dialer_mod, "begin_connect", counting_begin)
     with black_hole() as hole:
