@@ -19,6 +19,7 @@ LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
 SELECTION_MODES = ("random", "latency", "least-conn")
 HEALTH_CHECKS = ("tcp", "readyz")
 PIPE_SCHED_POLICIES = ("batch", "normal")
+STATIC_ENDPOINT_MODES = ("always", "fallback")
 
 
 class ConfigError(ValueError):
@@ -201,6 +202,36 @@ FLAGS: tuple[Flag, ...] = (
         "saves most context switches) or normal (SCHED_OTHER)",
         PIPE_SCHED_POLICIES,
     ),
+    Flag(
+        "handover-socket",
+        "path",
+        "",
+        "Unix socket for upgrades without a gap: a running instance offers its listening "
+        "sockets there, and an instance that starts while one runs takes them over "
+        "(empty: off)",
+    ),
+    Flag(
+        "shutdown-drain-timeout",
+        "duration",
+        "0s",
+        "On SIGTERM, stop accepting but keep existing connections, closing them spread "
+        "evenly over this window before the shutdown (0: close them at once)",
+    ),
+    Flag(
+        "state-file",
+        "path",
+        "",
+        "File that keeps the endpoints discovery last found, read at start as the 'cache' "
+        "provider until discovery produces its first list (empty: off)",
+    ),
+    Flag(
+        "static-endpoints",
+        "choice",
+        "always",
+        "always: --endpoints are always upstreams; fallback: once discovery has produced a "
+        "list, static endpoints it lacks are kept only as a last resort (panic mode)",
+        STATIC_ENDPOINT_MODES,
+    ),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
@@ -235,6 +266,10 @@ class Config:
     kubeconfig: str = ""
     max_connections: int = 4096
     pipe_sched: str = "batch"
+    handover_socket: str = ""
+    shutdown_drain_timeout: float = 0.0
+    state_file: str = ""
+    static_endpoints: str = "always"
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""
@@ -310,6 +345,11 @@ def validate(values: dict[str, str | None]) -> Config:
         problems.append(f"{p('liveness_threshold')} must be greater than {p('liveness_interval')}")
     if have("drain_timeout") and float(out["drain_timeout"]) < 0:  # type: ignore[arg-type]
         problems.append(f"{p('drain_timeout')} must not be negative")
+    if have("shutdown_drain_timeout") and float(out["shutdown_drain_timeout"]) < 0:  # type: ignore[arg-type]
+        problems.append(f"{p('shutdown_drain_timeout')} must not be negative")
+    for name in ("handover_socket", "state_file"):
+        if name in out and not str(out[name]).strip():
+            out[name] = ""
 
     # Modes and TLS.
     # A path of spaces is as unset as an empty one (a template's blank value, say).
