@@ -127,6 +127,10 @@ class Snapshot:
         return next((u for u in self.upstreams if u.address == address), None)
 
 
+def _started(conn: Tracked) -> float:
+    return conn.started
+
+
 class Registry:
     """Upstream records, their state transitions, live connections and deadlines."""
 
@@ -479,6 +483,14 @@ class Registry:
             conns = [c for up in self._ups.values() for c in up.conns.values()]
         self._run(conns)
         return len(conns)
+
+    def live_connections(self) -> list[Tracked]:
+        """Every tracked connection, oldest first (the shutdown drain closes them one
+        by one, outside the lock)."""
+        with self.lock:
+            conns = [c for up in self._ups.values() for c in up.conns.values()]
+        conns.sort(key=_started)
+        return conns
 
     @property
     def closing(self) -> bool:
