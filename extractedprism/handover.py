@@ -205,7 +205,13 @@ class Offer:
 
     def start(self) -> None:
         """Bind the path (replacing whatever socket file is there, atomically: a
-        predecessor's is renamed over) and start offering. Raises OSError."""
+        predecessor's is renamed over) and start offering. Raises OSError, also for a
+        path that holds something else than a socket (never replaced)."""
+        try:
+            if not stat.S_ISSOCK(os.lstat(self._path).st_mode):
+                raise OSError(errno.EEXIST, "exists and is not a unix socket")
+        except FileNotFoundError:
+            pass
         tmp = f"{self._path}.{os.getpid()}.tmp"
         _unlink_quietly(tmp)
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

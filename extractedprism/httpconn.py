@@ -131,6 +131,9 @@ class ConnectionLoop:
             self._listener.close()
             raise
         self._stop_accepting = threading.Event()
+        host_, port_ = self._listener.getsockname()[:2]
+        # Kept: the listener may be closed later (handed over, shut down).
+        self._address = (str(host_), int(port_))
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._sel = selectors.DefaultSelector()
@@ -154,8 +157,7 @@ class ConnectionLoop:
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._listener.getsockname()[:2]
-        return str(host), int(port)
+        return self._address
 
     def start(self) -> None:
         self._sel.register(self._listener, selectors.EVENT_READ, "listener")

@@ -147,6 +147,7 @@ class Proxy:
         self._accept_stop = threading.Event()
         self._handed_over = threading.Event()
         self._listener: socket.socket | None = None
+        self._address: tuple[str, int] | None = None
         self._acceptor: threading.Thread | None = None
         self._seq = 0
         self._on_accept_loop = on_accept_loop
@@ -157,12 +158,14 @@ class Proxy:
 
     def bind(self) -> None:
         self._listener = open_listener(*self._bind)
+        self._address = self._listener.getsockname()[:2]
 
     def adopt(self, listener: socket.socket) -> None:
         """Accept on ``listener``, taken over from a predecessor, instead of binding."""
         listener.setblocking(True)
         set_accept_wake(listener)
         self._listener = listener
+        self._address = listener.getsockname()[:2]
 
     @property
     def listener(self) -> socket.socket | None:
@@ -192,9 +195,9 @@ class Proxy:
 
     @property
     def address(self) -> tuple[str, int]:
-        assert self._listener is not None
-        host, port = self._listener.getsockname()[:2]
-        return host, port
+        # Kept from the bind: the listener may be closed (handed over, shut down).
+        assert self._address is not None
+        return self._address
 
     def start(self) -> None:
         if self._listener is None:
