@@ -323,6 +323,10 @@ class App:
         self.stop_event.set()
         if self._offer is not None:
             self._offer.stop(handover.OFFER_ACCEPT_WAKE_S * 5)
+            if self._offer.in_flight:
+                # SIGTERM in the middle of a handover: the successor may accept on the
+                # listener already, so it is closed here, never shut down.
+                self.proxy.share_listener()
         if self.config.shutdown_drain_timeout > 0 and self._started:
             self._shutdown_drain(self.config.shutdown_drain_timeout)
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S

@@ -202,6 +202,9 @@ class Offer:
         self._inode = 0
         self._thread: threading.Thread | None = None
         self.handed_over = False
+        # The listeners were sent and no answer came yet: a successor may be accepting
+        # on them already, so they count as shared (never shut down) until it answers.
+        self.in_flight = False
 
     def start(self) -> None:
         """Bind the path (replacing whatever socket file is there, atomically: a
@@ -279,6 +282,7 @@ class Offer:
                 taken = []
             finally:
                 conn.close()
+                self.in_flight = False
             if taken:
                 self.handed_over = True
                 try:
@@ -297,6 +301,7 @@ class Offer:
         offered = {n: s for n, s in self._listeners().items() if s.fileno() >= 0}
         names = list(offered)
         msg = json.dumps({"version": VERSION, "pid": os.getpid(), "listeners": names})
+        self.in_flight = True
         socket.send_fds(conn, [msg.encode() + b"\n"], [s.fileno() for s in offered.values()])
         log.info("handover: offered listeners to a successor listeners=%s",
                  ",".join(names))

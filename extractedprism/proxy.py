@@ -146,6 +146,7 @@ class Proxy:
         # never shut down from here).
         self._accept_stop = threading.Event()
         self._handed_over = threading.Event()
+        self._shared = False
         self._listener: socket.socket | None = None
         self._address: tuple[str, int] | None = None
         self._acceptor: threading.Thread | None = None
@@ -175,6 +176,10 @@ class Proxy:
     @property
     def handed_over(self) -> bool:
         return self._handed_over.is_set()
+
+    def share_listener(self) -> None:
+        """Another process may accept on the listener: close it, never shut it down."""
+        self._shared = True
 
     def stop_accepting(self, timeout: float = 1.0) -> bool:
         """A successor accepts on the shared listener now: stop accepting (within
@@ -220,7 +225,8 @@ class Proxy:
         socket is the successor's: left alone (the acceptor notices within
         ``ACCEPT_WAKE_S``). Live connections are not touched."""
         self._accept_stop.set()
-        if self._listener is not None and not self._handed_over.is_set():
+        if (self._listener is not None and not self._handed_over.is_set()
+                and not self._shared):
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)
             except OSError:
