@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from extractedprism import handover
+from extractedprism import handover, statefile
 from extractedprism.config import Config
 from extractedprism.endpoints import Endpoint
 from extractedprism.httpd import HealthServer
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 5.0
 HEARTBEAT_JOIN_S = 1.0
+CACHE = "cache"  # the provider name of the state file's endpoints
 
 
 class Heartbeat:
@@ -140,6 +141,8 @@ class App:
                                    threshold=config.liveness_threshold, stop=self.stop_event)
         self.health: HealthServer | None = None  # made in start(), after the proxy binds
         self._offer: handover.Offer | None = None
+        self._state_writer: statefile.StateWriter | None = None
+        self._cache_in_use = False
         self._started = False
 
     # -- addresses -------------------------------------------------------------------
@@ -256,6 +259,7 @@ class App:
                             "reason=%r; every readyz probe fails until it is fixed",
                             cfg.health_check_ca_file, problem)
         self.merger.update("static", list(cfg.endpoints))
+        self._load_state_file()
         if cfg.enable_discovery:
             self._start_discovery()
         self.ticker.start()
@@ -287,8 +291,34 @@ class App:
             self.metrics.discovery_errors_total.labels(provider=provider).inc()
             self.discovery = None
 
+    def _load_state_file(self) -> None:
+        """``--state-file``: the endpoints discovery found last time, as provider
+        ``cache`` until discovery produces its first list."""
+        cfg = self.config
+        if not cfg.state_file:
+            return
+        if not cfg.enable_discovery:
+            log.warning("state file not used: discovery is off flag=--state-file path=%s",
+                        cfg.state_file)
+            return
+        cached = statefile.read(cfg.state_file)
+        if cached:
+            self._cache_in_use = True
+            self.merger.update(CACHE, cached)
+        self._state_writer = statefile.StateWriter(cfg.state_file, self.stop_event)
+        self._state_writer.start(current=cached)
+
     def _on_discovered(self, endpoints: list[Endpoint]) -> None:
         self.merger.update("kubernetes", endpoints)
+        if self._cache_in_use:
+            # Discovery speaks for itself now; after the kubernetes list is applied, so
+            # an endpoint in both never leaves. The cache's others drain like any
+            # removed endpoint (--drain-timeout).
+            self._cache_in_use = False
+            log.info("state file cache dropped: discovery produced its first list")
+            self.merger.update(CACHE, [])
+        if self._state_writer is not None:
+            self._state_writer.save(endpoints)
 
     def liveness_problem(self, lock_timeout: float) -> str:
         """Empty when alive, else what is wrong (heartbeat thread)."""
@@ -342,6 +372,8 @@ class App:
         if self.discovery is not None:
             ok &= bool(self.discovery.stop_and_join(left()))
         ok &= self.ticker.join(left())
+        if self._state_writer is not None:
+            ok &= self._state_writer.join(left())
         self.heartbeat.join(min(HEARTBEAT_JOIN_S, left()))
         if self.health is not None:
             ok &= self.health.wait_stopped(deadline)
