@@ -22,7 +22,7 @@ from tests.process.lifecycle import (
     proxy_args,
     start_first,
 )
-from tests.util import wait_until
+from tests.util import run_cli, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -182,3 +182,18 @@ def test_sighup_is_logged_and_ignored(upstream):
         assert proc.wait(10) == 0
     finally:
         proc.reap()
+
+
+@pytest.mark.parametrize("value", ["-1s", "soon", "nan"])
+def test_bad_shutdown_drain_timeout_exits_2_naming_the_flag(value):
+    res = run_cli("--endpoints", "10.0.0.1:6443", f"--shutdown-drain-timeout={value}")
+    assert res.returncode == 2
+    assert f"--shutdown-drain-timeout ({value})" in res.stderr
+    res = run_cli(env={"EP_ENDPOINTS": "10.0.0.1:6443", "EP_SHUTDOWN_DRAIN_TIMEOUT": value})
+    assert res.returncode == 2 and "--shutdown-drain-timeout" in res.stderr
+
+
+def test_bad_static_endpoints_mode_exits_2():
+    res = run_cli("--endpoints", "10.0.0.1:6443", "--static-endpoints=sometimes")
+    assert res.returncode == 2
+    assert "--static-endpoints (sometimes)" in res.stderr and "always, fallback" in res.stderr
