@@ -230,9 +230,11 @@ class App:
 
     def _offered_listeners(self) -> dict[str, socket.socket]:
         out: dict[str, socket.socket] = {}
+        if self.stop_event.is_set():
+            return out  # shutting down: the listeners close; a successor binds its own
         if self.proxy.listener is not None and not self.proxy.handed_over:
             out["proxy"] = self.proxy.listener
-        if self.health is not None and not self.stop_event.is_set():
+        if self.health is not None:
             out["health"] = self.health.listener
         return out
 
