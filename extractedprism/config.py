@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from extractedprism.endpoints import Endpoint, is_valid_host, parse_endpoint_list
 
 LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
+LOG_FORMATS = ("logfmt", "json")
 SELECTION_MODES = ("random", "latency", "least-conn")
 HEALTH_CHECKS = ("tcp", "readyz")
 PIPE_SCHED_POLICIES = ("batch", "normal")
@@ -201,6 +202,14 @@ FLAGS: tuple[Flag, ...] = (
         "saves most context switches) or normal (SCHED_OTHER)",
         PIPE_SCHED_POLICIES,
     ),
+    Flag(
+        "log-format",
+        "choice",
+        "logfmt",
+        "Log line format on stderr: logfmt (key=value, one record per line) or json (one "
+        "object per line)",
+        LOG_FORMATS,
+    ),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
@@ -235,6 +244,7 @@ class Config:
     kubeconfig: str = ""
     max_connections: int = 4096
     pipe_sched: str = "batch"
+    log_format: str = "logfmt"
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""
