@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from extractedprism.config import Config
 from extractedprism.endpoints import Endpoint
+from extractedprism.errors import ListenError
 from extractedprism.httpd import HealthServer
 from extractedprism.merge import Merger
 from extractedprism.metrics import Metrics
@@ -144,14 +145,19 @@ class App:
 
     def start(self) -> None:
         cfg = self.config
-        self.proxy.bind()
+        try:
+            self.proxy.bind()
+        except OSError as exc:
+            raise ListenError("--bind-address/--bind-port", cfg.bind_address, cfg.bind_port,
+                              exc) from exc
         try:
             self.health = HealthServer(self.registry, self.metrics, self.alive,
                                        host=cfg.health_bind_address, port=cfg.health_port,
                                        liveness_reason=self.liveness_reason)
-        except OSError:
+        except OSError as exc:
             self.proxy.close_listener()
-            raise
+            raise ListenError("--health-bind-address/--health-port", cfg.health_bind_address,
+                              cfg.health_port, exc) from exc
         if cfg.health_check == "readyz":
             # Not fatal: the file is re-read on every probe and may be mounted later;
             # until then every probe fails and selection falls back to TCP health. But a
