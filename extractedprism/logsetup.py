@@ -98,7 +98,6 @@ class _Writer:
     def __init__(self, handler: QueueingHandler, stream: TextIO) -> None:
         self.handler = handler
         self.stream = stream
-        self.ticks: list[Callable[[], None]] = []
         self.thread = threading.Thread(name="log-writer", target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -129,7 +128,7 @@ class _Writer:
                 return
             if time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + TICK_S
-                for tick in list(self.ticks):
+                for tick in list(_TICKS):
                     try:
                         tick()
                     except Exception:
@@ -187,6 +186,7 @@ class _StderrLines(io.TextIOBase):
 
 
 _state: dict[str, Any] = {}
+_TICKS: list[Callable[[], None]] = []
 
 
 def setup_logging(level: str, stream: TextIO | None = None, fmt: str = "logfmt", *,
@@ -252,10 +252,9 @@ def _unraisablehook(u: Any) -> None:
 
 
 def on_tick(callback: Callable[[], None]) -> None:
-    """Run ``callback`` on the writer thread about once per TICK_S (no-op without it)."""
-    writer = _state.get("writer")
-    if writer is not None:
-        writer.ticks.append(callback)
+    """Run ``callback`` on the writer thread about once per TICK_S, from now on and for
+    every later set-up (nothing runs it while there is no writer thread)."""
+    _TICKS.append(callback)
 
 
 def dropped_total() -> int:
