@@ -14,15 +14,16 @@ from tests.util import PYTHON, ROOT, http, start_on_free_ports
 
 class ProxyProcess:
     def __init__(self, proc: subprocess.Popen[Any], bind: int, health: int,
-                 log_path: Path) -> None:
+                 log_path: Path, health_host: str = "127.0.0.1") -> None:
         self.proc = proc
+        self.health_host = health_host
         self.bind = bind
         self.health = health
         self.log_path = log_path
 
     @property
     def health_address(self) -> tuple[str, int]:
-        return ("127.0.0.1", self.health)
+        return (self.health_host, self.health)
 
     def stderr(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -38,15 +39,15 @@ class ProxyProcess:
         return self.proc.returncode
 
 
-def health_ok(port: int) -> bool:
+def health_ok(port: int, host: str = "127.0.0.1") -> bool:
     try:
-        return http(("127.0.0.1", port), "/healthz", timeout=1)[0] == 200
+        return http((host, port), "/healthz", timeout=1)[0] == 200
     except OSError:
         return False
 
 
 def start_proxy(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
-                stderr: Any = None) -> ProxyProcess:
+                stderr: Any = None, health_host: str = "127.0.0.1") -> ProxyProcess:
     """The proxy with ``args`` (after fast default timings); stderr to a file unless
     ``stderr`` is given."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
@@ -69,11 +70,11 @@ def start_proxy(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
             env=full_env, cwd=ROOT, stderr=out, stdout=subprocess.DEVNULL)
 
     try:
-        proc, (bind, health) = start_on_free_ports(start, lambda ps: health_ok(ps[1]))
+        proc, (bind, health) = start_on_free_ports(start, lambda ps: health_ok(ps[1], health_host))
     finally:
         for f in files:
             f.close()
     if proc.poll() is not None:
         text = log_path.read_text() if log_path.exists() else ""
         raise AssertionError(f"the proxy exited with {proc.returncode}: {text}")
-    return ProxyProcess(proc, bind, health, log_path)
+    return ProxyProcess(proc, bind, health, log_path, health_host)
