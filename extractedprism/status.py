@@ -141,7 +141,7 @@ def age(text: object, now: datetime.datetime) -> str:
     return f"{secs // 86400}d{secs % 86400 // 3600:02d}h"
 
 
-def _state(u: Mapping[str, Any]) -> str:
+def state_word(u: Mapping[str, Any]) -> str:
     if u.get("state"):
         return str(u["state"])
     if "healthy" not in u:
@@ -158,7 +158,7 @@ def _rtt(value: object) -> str:
     return f"{ms:.1f}ms" if ms < 100 else f"{ms:.0f}ms"
 
 
-def _conns(u: Mapping[str, Any]) -> str:
+def conns_text(u: Mapping[str, Any]) -> str:
     active = u.get("active", u.get("active_connections"))
     total = u.get("total", u.get("total_connections"))
     if active is None and total is None:
@@ -185,14 +185,14 @@ def row(u: Mapping[str, Any], now: datetime.datetime) -> list[str]:
     ready = u.get("ready")
     if ready is None and u.get("readiness") not in (None, "n/a"):
         ready = u.get("readiness") == "ready"
-    return [_dash(u.get("address")), _source(u), _state(u), _yes_no(ready),
-            _dash(u.get("tier")), _rtt(u.get("rtt_seconds")), _conns(u),
+    return [_dash(u.get("address")), _source(u), state_word(u), _yes_no(ready),
+            _dash(u.get("tier")), _rtt(u.get("rtt_seconds")), conns_text(u),
             age(u.get("since"), now), _last_error(u)]
 
 
 def summary(doc: Mapping[str, Any], ready: bool) -> str:
     ups = [u for u in doc.get("upstreams") or [] if isinstance(u, dict)]
-    healthy = sum(1 for u in ups if _state(u) == "healthy"
+    healthy = sum(1 for u in ups if state_word(u) == "healthy"
                   or (not u.get("state") and u.get("healthy") and not u.get("draining")))
     parts = [f"{'ready' if ready else 'NOT READY'}: {healthy}/{len(ups)} upstreams healthy"]
     readies = [u.get("ready") for u in ups if u.get("ready") is not None]
