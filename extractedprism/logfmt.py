@@ -45,8 +45,11 @@ RESERVED = ("ts", "level", "logger", "msg", "thread", "stacktrace")
 _SPEC = re.compile(r"%(?P<named>\([^)]*\))?[#0+ -]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[hlL]?"
                    r"(?P<conv>[diouxXeEfFgGcrsa%])")
 _FIELD = re.compile(r"(?<!\S)(?P<key>[A-Za-z_][A-Za-z0-9_.]*)=(?P<val>\S*)")
-_NEEDS_QUOTE = re.compile('[\\x00-\\x20="\\x7f]')
-_TO_ESCAPE = re.compile('[\\x00-\\x1f"\\\\\\x7f]')
+# Besides ASCII controls, NEL and the Unicode line/paragraph separators are escaped: a
+# reader splitting on every line break (Python's splitlines) still sees one record.
+_NEEDS_QUOTE = re.compile('[\\x00-\\x20="\\x7f\\x85\\u2028\\u2029]')
+_TO_ESCAPE = re.compile('[\\x00-\\x1f"\\\\\\x7f\\x85\\u2028\\u2029]')
+_JSON_BREAKS = re.compile("[\\x85\\u2028\\u2029]")
 _NAMED_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 _SPACE_BEFORE_PUNCT = re.compile(r"\s+([;,:.])")
 
@@ -235,7 +238,8 @@ def _jsonable(value: Any) -> Any:
 
 
 def json_line(pairs: Iterator[tuple[str, Any]]) -> str:
-    return json.dumps({key: _jsonable(value) for key, value in pairs}, ensure_ascii=False)
+    text = json.dumps({key: _jsonable(value) for key, value in pairs}, ensure_ascii=False)
+    return _JSON_BREAKS.sub(_escape, text)
 
 
 class LineFormatter(logging.Formatter):
