@@ -40,13 +40,10 @@ SUBCOMMANDS: dict[str, str] = {
     "status": "extractedprism.status:main",
 }
 
-REQUIRED = ("endpoints",)  # validate() enforces it (naming the flag); help shows it
-
-
 def flag_help(flag: Flag) -> str:
-    """A flag's help text with its default said once (or that it is required)."""
-    text = flag.help
-    if flag.name in REQUIRED:
+    """A flag's help text and rules, with its default said once (or that it is required)."""
+    text = "; ".join((flag.help, *flag.rules))
+    if flag.required:
         text += " (required)"
     elif "(default:" in text:
         pass  # the text says what unset means
@@ -55,6 +52,10 @@ def flag_help(flag: Flag) -> str:
     else:
         text += f" (default: {flag.default})"
     return text.replace("%", "%%")
+
+
+# validate() enforces these (naming the flag, with every other problem); help shows them.
+_REQUIRED = {f.dest for f in FLAGS if f.required}
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -68,7 +69,7 @@ class _HelpFormatter(argparse.HelpFormatter):
                   prefix: str | None = None) -> None:
         shown = []
         for action in actions:  # type: ignore[attr-defined]
-            if action.dest in REQUIRED:
+            if action.dest in _REQUIRED:
                 action = copy.copy(action)
                 action.required = True
             shown.append(action)
@@ -98,7 +99,7 @@ def build_parser() -> configargparse.ArgumentParser:
         if flag.kind == "bool":
             # `--enable-discovery` alone means true; `--enable-discovery=false` works too.
             kwargs.update(nargs="?", const="true")
-        group = required if flag.name in REQUIRED else parser
+        group = required if flag.required else parser
         group.add_argument(flag.option, **kwargs)  # type: ignore[arg-type]
     parser.add_argument("--version", action="version", version=f"extractedprism {__version__}")
     return parser
@@ -184,7 +185,12 @@ def _raise_fd_limit() -> None:
 def dump_threads(_signum: int = 0, _frame: object = None) -> None:
     """Log every thread's stack (SIGUSR1), identical stacks grouped, as one record."""
     text, threads, groups = grouped_dump()
-    log.warning("thread dump threads=%d stacks=%d", threads, groups, extra={"dump": text})
+    # Asked for explicitly, so shown whatever --log-level says (handle() skips the
+    # level check, not the handlers).
+    record = log.makeRecord(log.name, logging.WARNING, __file__, 0,
+                            "thread dump threads=%d stacks=%d", (threads, groups), None,
+                            extra={"dump": text})
+    log.handle(record)
 
 
 def run_subcommand(name: str, args: Sequence[str]) -> int:

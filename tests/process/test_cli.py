@@ -251,7 +251,7 @@ def _collect(stream: IO[str], into: list[str]) -> None:
 
 def test_env_configuration_runs_and_sigusr1_dumps_threads(upstream):
     proc, bind, _ = start_proxy(env={"EP_ENDPOINTS": upstream.address,
-                                          "EP_LOG_LEVEL": "debug"})
+                                          "EP_LOG_LEVEL": "error"})
     assert proc.stderr is not None
     lines: list[str] = []
     reader = threading.Thread(target=_collect, args=(proc.stderr, lines),
