@@ -1,6 +1,6 @@
 /* _relay: the native byte relay of one connection (pipe.py's fallback is the Python loop).
  *
- * relay(client_fd, upstream_fd, pipes, counters) -> (errno, left_up, left_down)
+ * relay(client_fd, upstream_fd, pipes, counters) -> (errno, left_up, left_down, first_eof)
  *
  * Copies both directions between two connected sockets until both are done, with the
  * GIL released for the whole call, exactly as a blocking socket.sendfile() would: the
@@ -18,6 +18,8 @@
  * the first failure (a reset, say): the caller then resets both peers (SO_LINGER 0).
  * left_up/left_down are the bytes still in each kernel pipe: nonzero means the caller
  * must drop those pipes, or the thread's next connection would receive them.
+ * first_eof: which side said EOF first (1 client, 2 upstream, 0 neither), for the
+ * connection's close log line.
  * Another thread ends the call by shutting either socket down (shutdown(SHUT_RDWR)
  * wakes poll: reads see EOF, writes fail). The caller owns and closes both sockets;
  * this only makes them O_NONBLOCK (Python's socket objects are not told; the caller
@@ -60,6 +62,8 @@ struct half {
     int eof;              /* src said EOF */
     int shut;             /* EOF passed on to dst: this direction is finished */
     uint64_t *count;      /* live byte counter in the caller's buffer */
+    int side;             /* 1: reads the client, 2: reads the upstream */
+    int *first_eof;       /* shared by both directions */
 };
 
 static int set_nonblocking(int fd) {
@@ -100,6 +104,7 @@ static int pump(struct half *h) {
         }
         if (n == 0) {
             h->eof = 1;
+            if (!*h->first_eof) *h->first_eof = h->side;
             return pass_eof(h);
         }
         h->pending = (size_t)n;
@@ -160,16 +165,18 @@ static PyObject *relay(PyObject *self, PyObject *args) {
         return NULL;
     }
     uint64_t *count = counters.buf;
+    int first_eof = 0;
     struct half h[2] = {
-        {cfd, ufd, up_r, up_w, 0, 0, 0, &count[0]},
-        {ufd, cfd, down_r, down_w, 0, 0, 0, &count[1]},
+        {cfd, ufd, up_r, up_w, 0, 0, 0, &count[0], 1, &first_eof},
+        {ufd, cfd, down_r, down_w, 0, 0, 0, &count[1], 2, &first_eof},
     };
     int err;
     Py_BEGIN_ALLOW_THREADS
     err = (set_nonblocking(cfd) < 0 || set_nonblocking(ufd) < 0) ? errno : run(h);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&counters);
-    return Py_BuildValue("(inn)", err, (Py_ssize_t)h[0].pending, (Py_ssize_t)h[1].pending);
+    return Py_BuildValue("(inni)", err, (Py_ssize_t)h[0].pending, (Py_ssize_t)h[1].pending,
+                         first_eof);
 }
 
 static PyObject *connect_start(PyObject *self, PyObject *args) {
@@ -243,7 +250,7 @@ static PyObject *close_pair(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"relay", relay, METH_VARARGS,
      "relay(client_fd, upstream_fd, (up_r, up_w, down_r, down_w), counters) -> "
-     "(errno, left_up, left_down)\n\nCopy both directions until both end (GIL released)."},
+     "(errno, left_up, left_down, first_eof)\n\nCopy both directions until both end (GIL released)."},
     {"connect", connect_start, METH_VARARGS,
      "connect(family, host, port, options) -> (fd, errno): non-blocking connect started."},
     {"close_pair", close_pair, METH_VARARGS,

@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 
+from extractedprism import connlog
 from extractedprism.endpoints import Endpoint
 from extractedprism.registry import Registry, Reservation
 from extractedprism.sockopts import addresses, begin_connect, describe_error, dial
@@ -37,6 +38,8 @@ from extractedprism.sockopts import addresses, begin_connect, describe_error, di
 log = logging.getLogger(__name__)
 
 FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# Failures that repeat once per client during an outage: first line, then summaries.
+_dial_failed = connlog.RateLimited(log, logging.INFO, "dial failed")
 _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
 
 
@@ -75,9 +78,13 @@ class Dialer:
 
     # -- outcomes (the one place a dial's result is recorded) --------------------------
 
-    def record(self, addr: str, exc: OSError | None, *, panic: bool = False) -> None:
+    def record(self, addr: str, exc: OSError | None, *, panic: bool = False,
+               carries: bool = False) -> None:
+        """``carries``: the dial that carries the connection; its success is recorded by
+        Registry.attach, in the same lock round trip."""
         if exc is None:
-            self._registry.record_dial(addr, True)
+            if not carries:
+                self._registry.record_dial(addr, True)
             return
         reason = describe_error(exc)
         if exc.errno in FD_ERRNOS:
@@ -88,7 +95,7 @@ class Dialer:
         # attempts are exactly that case, and shutdown failures are not counted.
         self._registry.record_dial(addr, False, reason,
                                    count_error=not (self._stopping.is_set() or panic))
-        log.info("dial failed upstream=%s reason=%r", addr, reason)
+        _dial_failed(addr, upstream=addr, reason=reason)
 
     # -- the pipe thread ------------------------------------------------------------------
 
@@ -130,7 +137,7 @@ class Dialer:
         except OSError as exc:
             self.record(addr, exc, panic=panic)
             return None
-        self.record(addr, None)
+        self.record(addr, None, carries=True)
         return sock
 
     def _connect_hedged(self, tried: set[str], dials: list[_Dial]
@@ -235,7 +242,7 @@ class Dialer:
     def _won(self, d: _Dial, losers: list[_Dial], poller: select.poll
              ) -> tuple[socket.socket, Reservation]:
         assert d.sock is not None
-        self.record(d.res.address, None)
+        self.record(d.res.address, None, carries=True)
         for other in losers:
             assert other.sock is not None
             poller.unregister(other.sock.fileno())

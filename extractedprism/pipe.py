@@ -84,6 +84,7 @@ _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
 _LINGER_RST = struct.pack("ii", 1, 0)
 
 _local = threading.local()
+_EOF_SIDE = {1: "client", 2: "upstream"}  # the native relay's first_eof
 
 
 def _splice(src: int, dst: int, count: int) -> int:
@@ -169,7 +170,8 @@ class Pipe:
     """Copies bytes both ways between ``client`` and ``upstream`` until both are done."""
 
     __slots__ = ("_closed", "_counts", "_done", "_lock", "_mode", "_relay", "client",
-                 "client_sock", "started", "upstream", "upstream_sock")
+                 "client_sock", "end_reason", "ended_by", "started", "upstream",
+                 "upstream_sock")
 
     def __init__(self, client: socket.socket, upstream: socket.socket, *, client_addr: str,
                  upstream_addr: str, relay: str = "python", mode: str | None = None) -> None:
@@ -182,6 +184,10 @@ class Pipe:
         # them while it runs, without the GIL, so readers see live bytes either way.
         self._counts = array("Q", (0, 0))
         self._closed = False
+        # Who ended the connection and why (the debug "connection closed" line): the
+        # first EOF's side, "proxy" for close(), or "error".
+        self.ended_by = ""
+        self.end_reason = ""
         # close() from another thread and the pipe thread's own close: once _done is set
         # (under _lock) the sockets are the pipe thread's to close, and close() does
         # nothing, so it never shuts down a descriptor number already reused.
@@ -205,6 +211,8 @@ class Pipe:
     def close(self) -> None:
         """Force-close from any thread: wakes the pipe thread, which then cleans up."""
         self._closed = True
+        if not self.ended_by:
+            self.ended_by, self.end_reason = "proxy", "closed by extractedprism"
         with self._lock:
             if self._done:
                 return
@@ -232,8 +240,10 @@ class Pipe:
         assert _native is not None
         (up_r, up_w), (down_r, down_w) = pipes
         c, u = self.client_sock, self.upstream_sock
-        err, left_up, left_down = _native(c.fileno(), u.fileno(), (up_r, up_w, down_r, down_w),
-                                          self._counts)
+        err, left_up, left_down, first_eof = _native(
+            c.fileno(), u.fileno(), (up_r, up_w, down_r, down_w), self._counts)
+        if first_eof and not self.ended_by:
+            self.ended_by, self.end_reason = _EOF_SIDE[first_eof], "eof"
         if left_up or left_down:
             # Bytes left in the thread's kernel pipes would leak into the next connection.
             _drop_thread_pipes()
@@ -246,6 +256,8 @@ class Pipe:
         _close_pair(cfd, ufd, bool(err) or self._closed)
 
     def _log_failure(self, exc: OSError) -> None:
+        if not self.ended_by:
+            self.ended_by, self.end_reason = "error", exc.strerror or str(exc)
         if exc.errno in _EXPECTED:
             log.debug("connection ended client=%s upstream=%s reason=%r", self.client,
                       self.upstream, exc.strerror)
@@ -365,6 +377,8 @@ class Pipe:
                         h.tail = bytes(buf[sent:n])
             if n == 0:
                 h.eof = True
+                if not self.ended_by:
+                    self.ended_by, self.end_reason = ("client" if h.up else "upstream"), "eof"
                 self._pass_eof(h)
                 return True
             self._counts[0 if h.up else 1] += n

@@ -128,6 +128,10 @@ class _Effects:
                          addr, t.reason)
 
 
+def _started(conn: Tracked) -> float:
+    return conn.started
+
+
 class Registry:
     """Upstream records, live connections, counters and deadlines behind one RLock."""
 
@@ -311,30 +315,36 @@ class Registry:
                     ) -> None:
         """A client dial's outcome counts toward the same streak as health checks."""
         with self.lock:
-            rec = self._ups.get(addr)
-            if rec is None:
-                return  # removed: failures are not counted until it is added again
-            if not ok and count_error:
-                rec.connection_errors += 1
-            if rec.state.draining:
-                return
-            if ok:
-                rec.last_success = self._clock()
-            state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)
-            if state is rec.state:
-                return  # the common case: nothing to change, nobody to wake
-            rec.state = state
-            fx = _Effects()
-            fx.transitions(addr, transitions)
-            flipped = any(t.health_flipped for t in transitions)
-            if flipped:
-                self._update_readiness_deadlines_locked(self._clock(), fx)
-            self._update_panic_locked(fx)
-            if probe:
-                fx.changes.append(Change("probe-now", addr))
-            if flipped:
-                fx.changes.append(Change("health", addr))
-        self._run(fx)
+            fx = self._record_dial_locked(addr, ok, reason, count_error)
+        if fx is not None:
+            self._run(fx)
+
+    def _record_dial_locked(self, addr: str, ok: bool, reason: str, count_error: bool
+                            ) -> _Effects | None:
+        rec = self._ups.get(addr)
+        if rec is None:
+            return None  # removed: failures are not counted until it is added again
+        if not ok and count_error:
+            rec.connection_errors += 1
+        if rec.state.draining:
+            return None
+        if ok:
+            rec.last_success = self._clock()
+        state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)
+        if state is rec.state:
+            return None  # the common case: nothing to change, nobody to wake
+        rec.state = state
+        fx = _Effects()
+        fx.transitions(addr, transitions)
+        flipped = any(t.health_flipped for t in transitions)
+        if flipped:
+            self._update_readiness_deadlines_locked(self._clock(), fx)
+        self._update_panic_locked(fx)
+        if probe:
+            fx.changes.append(Change("probe-now", addr))
+        if flipped:
+            fx.changes.append(Change("health", addr))
+        return fx
 
     # -- readiness-driven connection moves ----------------------------------------
 
@@ -389,21 +399,28 @@ class Registry:
         """Track a connection that just dialed its reserved upstream (the reservation
         ends here, attached or not); False if the upstream drains or left meanwhile.
 
-        A plain address attaches without a reservation (tests and tools)."""
+        A reservation's dial succeeded: that success is recorded here (one lock round
+        trip per connection for both). A plain address attaches without a reservation
+        and records nothing (tests and tools)."""
+        fx = None
         with self.lock:
             if isinstance(target, Reservation):
                 target._take_locked()
                 addr = target.address
+                fx = self._record_dial_locked(addr, True, "", True)
             else:
                 addr = target
             rec = self._ups.get(addr)
-            if rec is None or rec.state.draining or self._closing:
-                return False
-            rec.conns[id(conn)] = conn
-            rec.total_connections += 1
-            self._conn_count += 1
-            self._connections_total += 1
-            return True
+            ok = not (rec is None or rec.state.draining or self._closing)
+            if ok:
+                assert rec is not None
+                rec.conns[id(conn)] = conn
+                rec.total_connections += 1
+                self._conn_count += 1
+                self._connections_total += 1
+        if fx is not None:
+            self._run(fx)
+        return ok
 
     def detach(self, addr: str, conn: Tracked) -> None:
         with self.lock:
@@ -426,6 +443,14 @@ class Registry:
             fx.close = [c for r in self._ups.values() for c in r.conns.values()]
         self._run(fx)
         return len(fx.close)
+
+    def live_connections(self) -> list[Tracked]:
+        """Every tracked connection, oldest first (the shutdown drain closes them one
+        by one, outside the lock)."""
+        with self.lock:
+            conns = [c for up in self._ups.values() for c in up.conns.values()]
+        conns.sort(key=_started)
+        return conns
 
     @property
     def closing(self) -> bool:
