@@ -414,3 +414,16 @@ def test_latency_issue_12_example_new_fast_upstream_shares_tier_zero():
     snap = reg.snapshot()
     assert (snap.get(C).tier, snap.get(A).tier, snap.get(B).tier) == (0, 0, 1)
     assert {str(reg.pick()) for _ in range(200)} == {A, C}
+
+
+def test_attaching_a_reservation_counts_its_dial_as_a_success():
+    reg, *_ = make()
+    reg.record_dial(A, False, "refused")  # streak 1 of 2
+    res = reg.reserve(exclude=[B, C])
+    assert res is not None and res.address == A
+    assert reg.attach(res, Conn("c"))  # the dial that carries it succeeded: streak reset
+    reg.record_dial(A, False, "refused")
+    assert reg.snapshot().get(A).healthy  # 1 of 2 again, not 2 of 2
+    assert reg.attach(A, Conn("d"))  # a plain address records no dial
+    reg.record_dial(A, False, "refused")
+    assert not reg.snapshot().get(A).healthy
