@@ -229,6 +229,47 @@ def summarize(runs: dict[str, dict[str, list[float | None]]]) -> dict:
     return summary
 
 
+def rep_ratios(runs: dict[str, dict[str, list[float | None]]]) -> dict:
+    """Same-repetition ratios path/HAProxy: {metric: {path: {"runs", "median", "best"}}}.
+
+    Each repetition measures every path within a few seconds, so its own ratio is the
+    figure least moved by other load on the machine; "best" follows the metric's
+    direction (highest rate, lowest latency or cost)."""
+    out: dict = {}
+    for metric in METRICS:
+        per_path = runs.get(metric.key, {})
+        ha = per_path.get("haproxy", [])
+        for path in ("extractedprism", *REFS):
+            vals = per_path.get(path, [])
+            ratios = [v / h for v, h in zip(vals, ha, strict=False)
+                      if v is not None and h not in (None, 0)]
+            if not ratios:
+                continue
+            ordered = sorted(ratios)
+            mid = len(ordered) // 2
+            median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+            out.setdefault(metric.key, {})[path] = {
+                "runs": ratios, "median": median,
+                "best": max(ratios) if metric.higher_is_better else min(ratios)}
+    return out
+
+
+def render_rep_ratios(ratios: dict) -> str:
+    """One line per metric: median and best of the same-run ratios of each path."""
+    paths = [p for p in ("extractedprism", *REFS) if any(p in v for v in ratios.values())]
+    rows = [("metric", *(f"{p}/HA median (best)" for p in paths))]
+    for metric in METRICS:
+        e = ratios.get(metric.key)
+        if not e:
+            continue
+        rows.append((metric.label, *(f"{e[p]['median']:.2f} ({e[p]['best']:.2f})" if p in e
+                                     else "" for p in paths)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+                     for r in rows)
+
+
 def _fmt(v: float | None) -> str:
     if v is None:
         return "-"
@@ -994,6 +1035,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {k: v for k, v in vars(args).items() if k != "hold"},
         "haproxy_config": haproxy_config(0, 0, args.haproxy_threads),
         "metrics": summary,
+        "same_run_ratios": rep_ratios(bench.runs),
         "idle_detail": getattr(bench, "idle_detail", {}),
         "extractedprism_error": bench.ep_error,
         "reference_errors": bench.ref_errors,
@@ -1004,6 +1046,9 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print()
     print(render_table(summary))
+    if args.reps > 1:
+        print("\nsame-run ratios to HAProxy, per repetition: median (best)")
+        print(render_rep_ratios(result["same_run_ratios"]))
     print(f"\nbest of {args.reps} per cell; ±x% = (max-min)/max over the repetitions. "
           f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; "
           f"{result['elapsed_s']} s")
