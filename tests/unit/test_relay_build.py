@@ -98,3 +98,35 @@ def test_bad_relay_value_exits_2() -> None:
     assert res.returncode == 2
     assert "--relay (fast) is invalid: must be one of auto, native, python" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cc", ["/bin/false", None])
+def test_wheel_builds_with_and_without_a_working_compiler(tmp_path: Path, cc: str | None
+                                                          ) -> None:
+    """`pip install .` must not fail where the extension cannot be compiled (it is
+    optional), and must carry it where it can."""
+    import os
+    import zipfile
+
+    env = dict(os.environ)
+    if cc is not None:
+        env["CC"] = cc
+    elif shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    # A clean copy of the sources: the repo's build/ and in-place module must not count.
+    src = tmp_path / "src"
+    (src / "extractedprism").mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for f in (ROOT / "extractedprism").iterdir():
+        if f.suffix in (".py", ".c"):
+            shutil.copy(f, src / "extractedprism" / f.name)
+    res = subprocess.run([PYTHON, "-m", "pip", "wheel", "-q", "--no-deps",
+                          "--no-build-isolation", str(src), "-w", str(tmp_path)],
+                         capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    has_ext = any(n.startswith("extractedprism/_relay") and n.endswith(".so") for n in names)
+    assert has_ext == (cc is None), names
