@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import select
 import socket
 import threading
 import time
@@ -153,6 +154,19 @@ class Proxy:
 
     def acceptor_alive(self) -> bool:
         return self._acceptor is not None and self._acceptor.is_alive()
+
+    def backlog_waiting(self) -> bool:
+        """A client waits in the listen backlog (for the heartbeat: an idle acceptor
+        blocks in accept() with nothing waiting; a stuck one leaves clients there)."""
+        listener = self._listener
+        if listener is None:
+            return False
+        poller = select.poll()
+        try:
+            poller.register(listener, select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed meanwhile
+            return False
 
     def close_listener(self) -> None:
         """Stop accepting: wakes the acceptor out of accept()."""

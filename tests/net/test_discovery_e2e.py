@@ -273,7 +273,7 @@ def test_failing_kubernetes_provider_leaves_static_serving(
                        >= 1, 10, message="discovery error counted")
             assert upstreams(app) == {f"127.0.0.1:{api.port}", f"127.0.0.2:{a.port}"}
             assert seen_names(app, {"a"}) == {"a"}
-            assert app.discovery is not None and app.discovery.is_healthy()
+            assert app.discovery is not None and app.discovery.restarts == 0
         finally:
             assert app.stop()
 
@@ -286,7 +286,7 @@ def test_no_service_account_runs_static_only(
     app.start()
     try:
         assert seen_names(app, {"a"}) == {"a"}
-        assert app.discovery is not None and app.discovery.is_healthy()
+        assert app.discovery is not None and app.discovery.restarts == 0
         assert not app.discovery.running
     finally:
         assert app.stop()
@@ -329,7 +329,7 @@ def test_bad_input_neither_stops_discovery_nor_drops_connections(
             assert f"127.0.0.9:{port}" not in upstreams(app)
         assert app.metrics.sample(ERRORS, {"provider": "kubernetes"}) == 1
         assert app.discovery is not None and app.discovery.running
-        assert app.discovery.is_healthy()
+        assert app.discovery.restarts == 0
     finally:
         assert app.stop()
 
@@ -370,3 +370,38 @@ def test_ipv6_slice_endpoints_are_dialled_in_brackets(
             assert app.stop()
     finally:
         v6.stop()
+
+
+def test_a_dying_watcher_does_not_fail_healthz_and_is_restarted(
+        api: FakeApiServer, idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    # Provider failures are isolated: a watcher that dies is restarted and counted, and
+    # /healthz (a kubelet restart would cut every connection of the node) stays 200.
+    # The old heartbeat failed liveness with "discovery thread exited".
+    from extractedprism import watch
+    from tests.util import http
+
+    deaths: list[int] = []
+
+    def always_dies(self: object, client: object) -> None:
+        deaths.append(1)
+        raise RuntimeError("bug in the loop")
+
+    a = idents["a"]
+    original = watch.KubernetesProvider._watch_forever
+    watch.KubernetesProvider._watch_forever = always_dies  # type: ignore[method-assign]
+    try:
+        app = start_app(api, tmp_path, static=[Endpoint(a.host, a.port)])
+    finally:
+        watch.KubernetesProvider._watch_forever = original  # type: ignore[method-assign]
+    try:
+        wait_until(lambda: deaths, 10, message="the watcher died")
+        beat = app.heartbeat.last_beat
+        # several heartbeats (--liveness-interval) after the death
+        wait_until(lambda: app.heartbeat.last_beat > beat + 3 * app.config.liveness_interval,
+                   10 * app.config.liveness_threshold, message="heartbeats after the death")
+        assert http(app.health_address, "/healthz")[0] == 200
+        assert app.discovery is not None and app.discovery.running  # waiting to restart
+        assert app.metrics.sample(ERRORS, {"provider": "kubernetes"}) == len(deaths) >= 1
+        assert seen_names(app, {"a"}) == {"a"}
+    finally:
+        assert app.stop()
