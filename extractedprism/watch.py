@@ -88,14 +88,13 @@ class KubernetesProvider:
         sleep: Callable[[float], object] | None = None,
         watch_timeout_seconds: int | None = None,
     ) -> None:
-        self._config = config
+        self._config, self._sa_dir = config, sa_dir
         self._on_update = on_update
         self._metrics = metrics
         self._stop = stop
-        self._clock = clock
+        # Time and chance are injected, so tests decide every wait exactly.
+        self._clock, self._sleep = clock, (sleep if sleep is not None else stop.wait)
         self._rng = rng if rng is not None else random.Random()
-        self._sa_dir = sa_dir
-        self._sleep = sleep if sleep is not None else stop.wait
         self._watch_timeout = watch_timeout_seconds
         self.backoff = Backoff(self._rng)
         self._client: KubeClient | None = None
