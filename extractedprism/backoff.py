@@ -43,24 +43,16 @@ class Backoff:
         self.factor = factor
         self.jitter = jitter
         self._base = initial
-        self.attempts = 0
-
-    @property
-    def base(self) -> float:
-        """The un-jittered delay that :meth:`next_delay` will use next."""
-        return self._base
 
     def next_delay(self) -> float:
         """Return the next delay (base plus jitter) and advance the base."""
         base = self._base
         self._base = min(self._base * self.factor, self.maximum)
-        self.attempts += 1
         return base * (1.0 + self._rng.random() * self.jitter)
 
     def reset(self) -> None:
         """Start again from the initial delay."""
         self._base = self.initial
-        self.attempts = 0
 
 
 # --- what the watch loop does next (pure) ------------------------------------------

@@ -53,10 +53,6 @@ class Metrics:
         self._collector = StateCollector(snapshot)
         self.registry.register(self._collector)
 
-    def sample(self, name: str, labels: dict[str, str] | None = None) -> float | None:
-        """Current value of a sample (tests and the demo status line)."""
-        return self.registry.get_sample_value(name, labels or {})
-
 
 PerUpstream = Callable[["Snapshot", "UpstreamView"], "float | None"]
 

@@ -23,7 +23,7 @@ from extractedprism.kube import ClientConfigError, proxy_url
 from extractedprism.metrics import Metrics
 from extractedprism.watch import KubernetesProvider
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
-from tests.util import FixedRandom, wait_until
+from tests.util import FixedRandom, sample, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +76,7 @@ class Harness:
         return [round(d, 6) for d, _ in self.sleeps]
 
     def errors(self) -> float:
-        return self.metrics.sample(ERRORS, {"provider": "kubernetes"}) or 0.0
+        return sample(self.metrics, ERRORS, {"provider": "kubernetes"}) or 0.0
 
     def wait_watches(self, n: int, open_: bool = True) -> None:
         wait_until(lambda: len(self.api.watch_requests()) >= n
