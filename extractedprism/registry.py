@@ -97,6 +97,10 @@ class _Effects:
                          addr, t.reason)
 
 
+def _started(conn: Tracked) -> float:
+    return conn.started
+
+
 class Registry:
     """Upstream records, live connections, counters and deadlines behind one RLock."""
 
@@ -371,6 +375,14 @@ class Registry:
             fx.close = [c for r in self._ups.values() for c in r.conns.values()]
         self._run(fx)
         return len(fx.close)
+
+    def live_connections(self) -> list[Tracked]:
+        """Every tracked connection, oldest first (the shutdown drain closes them one
+        by one, outside the lock)."""
+        with self.lock:
+            conns = [c for up in self._ups.values() for c in up.conns.values()]
+        conns.sort(key=_started)
+        return conns
 
     @property
     def closing(self) -> bool:

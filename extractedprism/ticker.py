@@ -76,7 +76,12 @@ class Ticker:
             probes = list(self._in_flight.values())
         for t in probes:
             t.join(max(0.0, deadline - time.monotonic()))
-        return not (self._thread is not None and self._thread.is_alive())
+        stuck = [t for t in [self._thread, *probes] if t is not None and t.is_alive()]
+        for t in stuck:
+            # A daemon: abandoned, never waited for again (a probe can sit in
+            # getaddrinfo far beyond any timeout of ours).
+            log.warning("thread outlived its shutdown deadline; abandoned thread=%s", t.name)
+        return not stuck
 
     def _loop(self) -> None:
         while not self._stop.is_set():
