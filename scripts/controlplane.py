@@ -419,6 +419,10 @@ class ControlPlane:
         while time.monotonic() < deadline:
             self._reap()
             if pid is None or not self._is_ours(pid):
+                child = self._children.pop(name, None)
+                if child is not None:  # a zombie of ours: collect it
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        child.wait(max(0.1, deadline - time.monotonic()))
                 return True
             time.sleep(0.05)
         return False

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import urllib3
 from kubernetes import client as k8s
 
 SERVER_NAME = "kubernetes.default.svc"
@@ -47,6 +48,30 @@ def mono() -> float:
     return time.monotonic()
 
 
+class ClientGoRetry(urllib3.Retry):
+    """Retries the way client-go does: a GET whose connection broke (urllib3's default:
+    idempotent methods on connect and read errors), and *any* verb answered 429 or 503
+    with ``Retry-After``, which the apiserver sends when it refused the request without
+    processing it ("apiserver is shutting down" on a connection that was open when it
+    got SIGTERM). client-go's rest.Request retries those up to 10 times; the Python
+    client retries nothing by status on its own."""
+
+    retried_after: int = 0  # across all clients: answers retried after Retry-After
+    _count_lock = threading.Lock()
+
+    def is_retry(self, method: str, status_code: int, has_retry_after: bool = False) -> bool:
+        if self.total and has_retry_after and status_code in (429, 503):
+            with ClientGoRetry._count_lock:
+                ClientGoRetry.retried_after += 1
+            return True
+        return False
+
+
+def client_go_retries() -> ClientGoRetry:
+    return ClientGoRetry(total=10, connect=3, read=3, redirect=0, status=10,
+                         respect_retry_after_header=True)
+
+
 def api_client(port: int, ca: str, token: str, *, fresh_connections: bool = False,
                host: str = "127.0.0.1") -> k8s.ApiClient:
     """A Python kubernetes client that reaches the cluster through the proxy on ``port``."""
@@ -55,6 +80,7 @@ def api_client(port: int, ca: str, token: str, *, fresh_connections: bool = Fals
     cfg.verify_ssl = True
     cfg.tls_server_name = SERVER_NAME
     cfg.proxy = None
+    cfg.retries = client_go_retries()
     cfg.api_key["BearerToken"] = token
     cfg.api_key_prefix["BearerToken"] = "Bearer"
     api = k8s.ApiClient(cfg)
@@ -183,7 +209,7 @@ class Writer:
                 self.failed += 1
                 if len(self.errors) < 20:
                     self.errors.append(f"{time.strftime('%H:%M:%S')} seq={self.seq} "
-                                       f"{type(exc).__name__}: {str(exc)[:200]}")
+                                       f"{type(exc).__name__}: {getattr(exc, 'body', None) or str(exc)[:300]}")
 
     def stop(self) -> None:
         self._stop.set()
