@@ -97,6 +97,11 @@ class Dialer:
                                    count_error=not (self._stopping.is_set() or panic))
         _dial_failed(addr, upstream=addr, reason=reason)
 
+    def failed(self, addr: str, reason: str) -> None:
+        """A dial that connected but failed a later check (a silent upstream)."""
+        self._registry.record_dial(addr, False, reason, count_error=not self._stopping.is_set())
+        _dial_failed(addr, upstream=addr, reason=reason)
+
     # -- the pipe thread ------------------------------------------------------------------
 
     def connect(self, tried: set[str]) -> tuple[socket.socket | None, Reservation | None]:

@@ -14,8 +14,8 @@ counters, the drain and readiness deadlines and the panic flag. Fields guarded b
 ``self.lock``: ``_ups`` (and everything in each record), ``_panic``, ``_conn_count``,
 ``_connections_total``, ``_closing``. Methods never do I/O, logging or callbacks while
 holding it: sockets to close, log lines and change notices are collected in an
-:class:`_Effects` under the lock and carried out after it is released, so a stalled
-log handler or a slow close never stalls a pick.
+:class:`~extractedprism.effects.Effects` under the lock and carried out after it is
+released, so a stalled log handler or a slow close never stalls a pick.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from extractedprism import upstream as sm
+from extractedprism.effects import Change, Effects
 from extractedprism.endpoints import Endpoint
 from extractedprism.latency import LatencyTiers
+from extractedprism.reservation import Reservation
 from extractedprism.selection import Candidate, choose
 from extractedprism.snapshot import ConnView, Snapshot, UpstreamView
-from extractedprism.upstream import ProbeResult, Readiness, Transition, UpstreamState
+from extractedprism.upstream import ProbeResult, Readiness, UpstreamState
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +53,6 @@ class Tracked(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class Change:
-    """What the registry tells its one listener (the ticker) after releasing the lock."""
-
-    what: str  # "endpoints" (list changed) | "health" (a dial flipped it) | "probe-now"
-    address: str = ""
-
-
 @dataclass
 class _Record:
     endpoint: Endpoint
@@ -73,59 +67,6 @@ class _Record:
     connection_errors: int = 0
     bytes_up: int = 0  # of finished connections
     bytes_down: int = 0
-
-
-class Reservation:
-    """A picked upstream, counted as a dial in flight (least-conn sees it) until the
-    connection is attached or the reservation released; a context manager, so no path,
-    an exception's included, leaves the count behind. Releasing twice, or after attach,
-    does nothing."""
-
-    __slots__ = ("_lock", "_rec", "address", "endpoint")
-
-    def __init__(self, lock: threading.RLock, rec: _Record, address: str) -> None:
-        self._lock = lock
-        self._rec: _Record | None = rec  # the record counted, even if replaced since
-        self.address = address
-        self.endpoint = rec.endpoint
-
-    def _take_locked(self) -> None:
-        rec, self._rec = self._rec, None
-        if rec is not None and rec.dialing > 0:
-            rec.dialing -= 1
-
-    def release(self) -> None:
-        if self._rec is not None:
-            with self._lock:
-                self._take_locked()
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-class _Effects:
-    """Side effects collected under the lock, run after it is released."""
-
-    __slots__ = ("changes", "close", "logs")
-
-    def __init__(self) -> None:
-        self.close: list[Tracked] = []
-        self.logs: list[tuple[int, str, tuple[object, ...]]] = []
-        self.changes: list[Change] = []
-
-    def log(self, level: int, msg: str, *args: object) -> None:
-        self.logs.append((level, msg, args))
-
-    def transitions(self, addr: str, transitions: Iterable[Transition]) -> None:
-        for t in transitions:
-            if t.kind == "check":
-                self.log(t.level, "upstream check failed upstream=%s reason=%r", addr, t.reason)
-            else:
-                self.log(t.level, "upstream %s->%s upstream=%s reason=%r", t.before, t.after,
-                         addr, t.reason)
 
 
 def _started(conn: Tracked) -> float:
@@ -162,25 +103,15 @@ class Registry:
         self._connections_total = 0
         self._closing = False
 
-    def _run(self, fx: _Effects) -> None:
-        """Carry out collected effects; called with the lock released."""
-        for conn in fx.close:
-            try:
-                conn.close()
-            except Exception:  # a close must never take a caller down
-                log.exception("closing connection failed client=%s", conn.client)
-        for level, msg, args in fx.logs:
-            log.log(level, msg, *args)
-        if self._on_change is not None:
-            for change in fx.changes:
-                self._on_change(change)
+    def _run(self, fx: Effects) -> None:
+        fx.run(log, self._on_change)
 
     # -- discovery ----------------------------------------------------------------
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         """Make ``endpoints`` the upstream list: add new ones, drain removed ones."""
         wanted = {str(ep): ep for ep in endpoints}
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             now = self._clock()
             for addr, ep in wanted.items():
@@ -239,15 +170,14 @@ class Registry:
             return Reservation(self.lock, rec, addr)
 
     def reserve_endpoint(self, endpoint: Endpoint) -> Reservation | None:
-        """Count a dial to ``endpoint`` chosen outside selection (panic mode); None if
-        it is no longer known."""
+        """Count a dial to ``endpoint`` chosen by panic mode; None if no longer known."""
         addr = str(endpoint)
         with self.lock:
             rec = self._ups.get(addr)
             if rec is None:
                 return None
             rec.dialing += 1
-            return Reservation(self.lock, rec, addr)
+            return Reservation(self.lock, rec, addr, panic=True)
 
     def _choose_locked(self, exclude: Iterable[str]) -> str | None:
         tier = self._latency.tier if self._latency_mode else None
@@ -281,7 +211,7 @@ class Registry:
             recs.sort(key=_last_success, reverse=True)
             return [r.endpoint for r in recs]
 
-    def _update_panic_locked(self, fx: _Effects) -> None:
+    def _update_panic_locked(self, fx: Effects) -> None:
         panic = bool(self._ups) and not any(r.state.pickable for r in self._ups.values())
         if panic != self._panic:
             self._panic = panic
@@ -295,7 +225,7 @@ class Registry:
 
     def record_probe(self, addr: str, result: ProbeResult) -> None:
         """Feed one health check (TCP, and readyz when enabled) into the state machine."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             rec = self._ups.get(addr)
             if rec is None or rec.state.lifecycle not in sm.TAKES_CHECKS:
@@ -320,7 +250,7 @@ class Registry:
             self._run(fx)
 
     def _record_dial_locked(self, addr: str, ok: bool, reason: str, count_error: bool
-                            ) -> _Effects | None:
+                            ) -> Effects | None:
         rec = self._ups.get(addr)
         if rec is None:
             return None  # removed: failures are not counted until it is added again
@@ -334,7 +264,7 @@ class Registry:
         if state is rec.state:
             return None  # the common case: nothing to change, nobody to wake
         rec.state = state
-        fx = _Effects()
+        fx = Effects()
         fx.transitions(addr, transitions)
         flipped = any(t.health_flipped for t in transitions)
         if flipped:
@@ -348,7 +278,7 @@ class Registry:
 
     # -- readiness-driven connection moves ----------------------------------------
 
-    def _update_readiness_deadlines_locked(self, now: float, fx: _Effects) -> None:
+    def _update_readiness_deadlines_locked(self, now: float, fx: Effects) -> None:
         if not self._readyz:
             return
         ready_addrs = {a for a, r in self._ups.items() if r.state.pickable and r.state.ready}
@@ -367,7 +297,7 @@ class Registry:
                        "reason=%r", addr, what)
 
     @staticmethod
-    def _close_conns_locked(addr: str, rec: _Record, fx: _Effects) -> None:
+    def _close_conns_locked(addr: str, rec: _Record, fx: Effects) -> None:
         conns = list(rec.conns.values())
         if conns:
             fx.log(logging.INFO, "closing connections upstream=%s connections=%d reason=%r",
@@ -377,7 +307,7 @@ class Registry:
 
     def tick(self) -> float | None:
         """Expire drain and readiness deadlines; return the next deadline, if any."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             now = self._clock()
             for addr, rec in list(self._ups.items()):
@@ -399,19 +329,18 @@ class Registry:
         """Track a connection that just dialed its reserved upstream (the reservation
         ends here, attached or not); False if the upstream drains or left meanwhile.
 
-        A reservation's dial succeeded: that success is recorded here (one lock round
-        trip per connection for both). A plain address attaches without a reservation
-        and records nothing (tests and tools)."""
+        The reservation's dial succeeded: recorded here, in the same lock round trip. A
+        plain address attaches without a reservation and records nothing (tests, tools)."""
         fx = None
         with self.lock:
             if isinstance(target, Reservation):
-                target._take_locked()
+                target.take_locked()
                 addr = target.address
                 fx = self._record_dial_locked(addr, True, "", True)
             else:
                 addr = target
             rec = self._ups.get(addr)
-            ok = not (rec is None or rec.state.draining or self._closing)
+            ok = rec is not None and not rec.state.draining and not self._closing
             if ok:
                 assert rec is not None
                 rec.conns[id(conn)] = conn
@@ -437,7 +366,7 @@ class Registry:
 
     def close_all(self) -> int:
         """Shutdown: refuse new attaches and force-close every live connection."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             self._closing = True
             fx.close = [c for r in self._ups.values() for c in r.conns.values()]

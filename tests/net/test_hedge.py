@@ -95,8 +95,8 @@ def test_black_holed_upstream_costs_the_hedge_delay_and_reaches_its_streak(
         # them exclude the black hole (probes say nothing here).
         wait_until(lambda: not app.registry.snapshot().get(str(hole)).healthy,
                    DIAL_TIMEOUT + 5, message="the black hole excluded by its failed dials")
-        errors = app.metrics.sample("extractedprism_connection_errors_total",
-                                    {"upstream": str(hole)})
+        errors = app.metrics.registry.get_sample_value(
+            "extractedprism_connection_errors_total", {"upstream": str(hole)})
         assert errors is not None and errors >= 2
         # Excluded: no more dials there.
         before = len(dials)
