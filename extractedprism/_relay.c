@@ -34,6 +34,11 @@
  *   connected already, EINPROGRESS, or the failure: then fd is already closed and -1).
  * close_pair(fd1, fd2, reset): close both (SO_LINGER 0 first when reset, so each peer
  *   gets a reset); close() of a socket without a lingering wait returns at once.
+ *
+ * first_answer(client_fd, upstream_fd, timeout_ms, first) -> (answered, first): proxy.py's
+ * silent-upstream check (see Proxy._first_answer) in one call with the GIL released:
+ * wait for the client's first bytes (unless ``first`` is given: a silent upstream had
+ * them), send them on, and give the upstream ``timeout_ms`` to answer or close.
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -47,6 +52,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #define CHUNK (64 * 1024)
@@ -247,12 +253,81 @@ static PyObject *close_pair(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static int64_t now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* Wait up to ms for events on fd; >0 ready, 0 timed out (EINTR retried). */
+static int wait_fd(int fd, short events, int64_t deadline) {
+    for (;;) {
+        int64_t left = deadline - now_ms();
+        if (left <= 0) return 0;
+        struct pollfd p = {fd, events, 0};
+        int n = poll(&p, 1, (int)left);
+        if (n >= 0 || errno != EINTR) return n;
+    }
+}
+
+#define FIRST_MAX (16 * 1024) /* a TLS ClientHello is one record */
+
+/* 1 answered (or not judged), 0 silent; *n is the length of the first bytes in buf. */
+static int first_answer_nogil(int cfd, int ufd, int timeout_ms, char *buf, Py_ssize_t *n,
+                              int have_first) {
+    if (!have_first) {
+        struct pollfd p[2] = {{cfd, POLLIN, 0}, {ufd, POLLIN, 0}};
+        int r;
+        do r = poll(p, 2, timeout_ms); while (r < 0 && errno == EINTR);
+        if (r <= 0 || p[1].revents) return 1; /* nothing from the client, or upstream first */
+        ssize_t got = recv(cfd, buf, FIRST_MAX, MSG_DONTWAIT);
+        if (got <= 0) return 1; /* EOF, reset or nothing after all: the relay sees it */
+        *n = got;
+    }
+    int64_t deadline = now_ms() + timeout_ms;
+    for (Py_ssize_t off = 0; off < *n;) {
+        ssize_t w = send(ufd, buf + off, (size_t)(*n - off), MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (w >= 0) {
+            off += w;
+        } else if (errno == EAGAIN || errno == EINTR) {
+            if (wait_fd(ufd, POLLOUT, deadline) <= 0) return 0;
+        } else {
+            return 1; /* the relay reports the upstream's error */
+        }
+    }
+    return wait_fd(ufd, POLLIN, deadline) > 0;
+}
+
+static PyObject *first_answer(PyObject *self, PyObject *args) {
+    (void)self;
+    int cfd, ufd, timeout_ms;
+    PyObject *first;
+    if (!PyArg_ParseTuple(args, "iiiO:first_answer", &cfd, &ufd, &timeout_ms, &first))
+        return NULL;
+    int have = first != Py_None;
+    if (have && (!PyBytes_Check(first) || PyBytes_GET_SIZE(first) > FIRST_MAX)) {
+        PyErr_SetString(PyExc_ValueError, "first must be None or at most 16 KiB of bytes");
+        return NULL;
+    }
+    char stack[FIRST_MAX];
+    Py_ssize_t n = have ? PyBytes_GET_SIZE(first) : 0;
+    if (have) memcpy(stack, PyBytes_AS_STRING(first), (size_t)n);
+    int answered;
+    Py_BEGIN_ALLOW_THREADS
+    answered = first_answer_nogil(cfd, ufd, timeout_ms, stack, &n, have);
+    Py_END_ALLOW_THREADS
+    if (have) return Py_BuildValue("(iO)", answered, first);
+    return Py_BuildValue("(iy#)", answered, stack, n);
+}
+
 static PyMethodDef methods[] = {
     {"relay", relay, METH_VARARGS,
      "relay(client_fd, upstream_fd, (up_r, up_w, down_r, down_w), counters) -> "
      "(errno, left_up, left_down, first_eof)\n\nCopy both directions until both end (GIL released)."},
     {"connect", connect_start, METH_VARARGS,
      "connect(family, host, port, options) -> (fd, errno): non-blocking connect started."},
+    {"first_answer", first_answer, METH_VARARGS,
+     "first_answer(client_fd, upstream_fd, timeout_ms, first) -> (answered, first)"},
     {"close_pair", close_pair, METH_VARARGS,
      "close_pair(fd1, fd2, reset): close both sockets (SO_LINGER 0 first if reset)."},
     {NULL, NULL, 0, NULL},

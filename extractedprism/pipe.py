@@ -61,6 +61,11 @@ if _native is not None and not HAVE_SPLICE:
     _native, NATIVE_ERROR = None, "this platform has no splice()"
 
 
+def native_first_answer() -> Callable[[int, int, int, bytes | None], tuple[int, bytes]] | None:
+    """The extension's silent-upstream check (Proxy._first_answer), if it is loaded."""
+    return None if _native is None else _relay.first_answer  # type: ignore[no-any-return]
+
+
 class RelayUnavailable(RuntimeError):
     """--relay=native, but the extension cannot be loaded (the message says why)."""
 
