@@ -41,6 +41,7 @@ FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # Failures that repeat once per client during an outage: first line, then summaries.
 _dial_failed = connlog.RateLimited(log, logging.INFO, "dial failed")
 _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
+REAPER_IDLE_S = 2.0  # the reaper thread exits after this long with no losing dial
 
 
 class _Dial:
@@ -320,8 +321,10 @@ class _Reaper:
             t.join(5)
 
     def _loop(self) -> None:
+        with self._lock:
+            wake_r, wake_w = self._wake_r, self._wake_w  # this thread's; closed at its end
         poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
+        poller.register(wake_r, select.POLLIN)
         dials: dict[int, _Dial] = {}
         try:
             while True:
@@ -335,11 +338,12 @@ class _Reaper:
                 if stopped:
                     return
                 now = time.monotonic()
-                wake = min((d.deadline for d in dials.values()), default=now + 60)
-                for fd, _ in poller.poll(max(0, (wake - now) * 1000 + 1)):
-                    if fd == self._wake_r:
+                wake = min((d.deadline for d in dials.values()), default=now + REAPER_IDLE_S)
+                events = poller.poll(max(0, (wake - now) * 1000 + 1))
+                for fd, _ in events:
+                    if fd == wake_r:
                         try:
-                            os.read(self._wake_r, 512)
+                            os.read(wake_r, 512)
                         except BlockingIOError:
                             pass
                         continue
@@ -353,18 +357,28 @@ class _Reaper:
                         del dials[fd]
                         poller.unregister(fd)
                         self._done(d, TimeoutError(errno.ETIMEDOUT, "timed out"))
+                if not dials and not events:
+                    # Idle: the thread (and its wake pipe) goes, so a proxy at rest has
+                    # exactly the threads it started with; the next loser starts another.
+                    with self._lock:
+                        if not self._new:
+                            self._thread = None
+                            self._wake_r = self._wake_w = -1
+                            return
         finally:
             for d in dials.values():  # shutdown: not counted
                 d.close()
                 d.res.release()
             with self._lock:
-                for d in self._new:
-                    d.close()
-                    d.res.release()
-                self._new = []
-                os.close(self._wake_r)
-                os.close(self._wake_w)
-                self._wake_r = self._wake_w = -1
+                if self._stopped:
+                    for d in self._new:
+                        d.close()
+                        d.res.release()
+                    self._new = []
+                if self._wake_r == wake_r:
+                    self._wake_r = self._wake_w = -1
+                os.close(wake_r)
+                os.close(wake_w)
 
     def _done(self, d: _Dial, exc: OSError | None) -> None:
         # Connected: closed at once, and a success like any dial; failed: toward the

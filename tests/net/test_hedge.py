@@ -104,6 +104,9 @@ def test_black_holed_upstream_costs_the_hedge_delay_and_reaches_its_streak(
             with socket.create_connection(app.proxy_address, timeout=10) as s:
                 read_line(s)
         assert str(hole) not in dials[before:]
+        # With no losing dial left, the reaper thread goes: threads back to the baseline.
+        wait_until(lambda: not any(t.name == "dial-reaper" for t in threading.enumerate()),
+                   DIAL_TIMEOUT + dialer_mod.REAPER_IDLE_S + 5, message="the reaper gone")
 
 
 def test_hedge_off_waits_for_the_dial_timeout(make_app, servers):
