@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import controlplane_build as cpbuild  # noqa: E402
+import controlplane_build as cpbuild
 
 APISERVERS = ("api1", "api2", "api3")
 PORT = 6443
@@ -509,7 +509,7 @@ class ControlPlane:
             return None
 
     def slice_addresses(self, via: str | None = None) -> set[str] | None:
-        """Addresses of the ``kubernetes`` EndpointSlice (asked of the first answering apiserver)."""
+        """Addresses in the ``kubernetes`` EndpointSlice (the first apiserver that answers)."""
         for api in ([via] if via else APISERVERS):
             try:
                 status, body = self.request(
@@ -779,7 +779,8 @@ def describe(cp: ControlPlane) -> str:
     lines += [f"CA: {cp.ca}  (serving certificate names: {SERVER_NAME}, the IPs)",
               f"admin token: {cp.token_file('admin')}",
               f"kubeconfig: {cp.dir}/admin.kubeconfig",
-              f"kubectl: {cp.binary('kubectl')} --kubeconfig {cp.dir}/admin.kubeconfig get --raw /readyz",
+              f"kubectl: {cp.binary('kubectl')} --kubeconfig {cp.dir}/admin.kubeconfig "
+              "get --raw /readyz",
               f"export EP_CONTROLPLANE_RUN={cp.dir}"]
     return "\n".join(lines)
 

@@ -22,6 +22,7 @@ event, a deadline and a count.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -209,7 +210,8 @@ class Writer:
                 self.failed += 1
                 if len(self.errors) < 20:
                     self.errors.append(f"{time.strftime('%H:%M:%S')} seq={self.seq} "
-                                       f"{type(exc).__name__}: {getattr(exc, 'body', None) or str(exc)[:300]}")
+                                       f"{type(exc).__name__}: "
+                                       f"{getattr(exc, 'body', None) or str(exc)[:300]}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -326,7 +328,7 @@ class Watcher:
     def max_gap(self, t0: float, t1: float) -> float:
         """Longest time without an event inside [t0, t1]."""
         times = [t0] + [t for t, *_ in self.events if t0 <= t <= t1] + [t1]
-        return max(b - a for a, b in zip(times, times[1:], strict=False))
+        return max(b - a for a, b in itertools.pairwise(times))
 
 
 # --- proxy observation ---------------------------------------------------------------
