@@ -41,7 +41,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -183,12 +182,6 @@ def kubeconfig(server: str, ca: str, token: str | None = None, cert: str | None 
 
 
 # --- the run --------------------------------------------------------------------
-
-
-@dataclass
-class Proc:
-    name: str
-    pid: int
 
 
 class ControlPlane:
