@@ -19,31 +19,20 @@ import pytest
 from extractedprism import gilcall
 from extractedprism import pipe as pipe_mod
 from extractedprism.endpoints import Endpoint
-from extractedprism.metrics import Metrics
 from extractedprism.proxy import Proxy
 from extractedprism.registry import Registry
 from extractedprism.sockopts import USER_TIMEOUT_MS
 from tests.fakes.upstream import EchoServer
-from tests.util import http, wait_until
-
-
-def connect(app, timeout: float = 5.0) -> socket.socket:  # type: ignore[no-untyped-def]
-    return socket.create_connection(app.proxy_address, timeout=timeout)
-
-
-def read_line(sock: socket.socket) -> str:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = sock.recv(1)
-        if not chunk:
-            break
-        data += chunk
-    return data.decode().strip()
-
-
-def whoami(app) -> str:  # type: ignore[no-untyped-def]
-    with connect(app) as s:
-        return read_line(s)
+from tests.util import (
+    connect,
+    connection_count,
+    http,
+    live_connections,
+    read_line,
+    sample,
+    wait_until,
+    whoami,
+)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -105,7 +94,7 @@ def test_large_payload_both_ways_intact(make_app, servers, monkeypatch, mode):
         assert calls["_splice_in"] > 100 and calls["_splice_out"] > 100
     else:
         assert not calls
-    wait_until(lambda: app.registry.connection_count() == 0, 5)
+    wait_until(lambda: connection_count(app.registry) == 0, 5)
 
 
 @pytest.mark.parametrize("mode", ["splice", "buffer"])
@@ -185,7 +174,7 @@ def test_reset_from_upstream_closes_client(make_app):
             with pytest.raises(ConnectionResetError):
                 s.recv(10)  # the upstream's reset is passed on to the client
         assert resets
-        wait_until(lambda: app.registry.connection_count() == 0, 5)
+        wait_until(lambda: connection_count(app.registry) == 0, 5)
 
 
 def test_200_concurrent_connections_intact(make_app, servers):
@@ -228,7 +217,7 @@ def test_socket_options_on_both_sides(make_app, servers):
     app = make_app([up.endpoint])
     with connect(app) as s:
         read_line(s)
-        snap = wait_until(lambda: app.registry.connections(), 5)
+        snap = wait_until(lambda: live_connections(app.registry), 5)
         assert snap
         # Read back the options the pipe thread applied to the proxy's sockets.
         pipes = [c for u in app.registry._ups.values() for c in u.conns.values()]
@@ -275,7 +264,7 @@ def test_dial_failures_count_toward_the_streak_and_retry_elsewhere(make_app, ser
     answers = [whoami(app) for _ in range(100)]
     assert all(a in ("up1", "up2") for a in answers), collections.Counter(answers)
     assert not app.registry.snapshot().get(dead).healthy  # two failed dials excluded it
-    errors = app.metrics.sample("extractedprism_connection_errors_total", {"upstream": dead})
+    errors = sample(app.metrics, "extractedprism_connection_errors_total", {"upstream": dead})
     assert errors == 2
 
 
@@ -285,21 +274,21 @@ def test_readyz_503_when_all_upstreams_down_and_panic_mode(make_app, servers):
     assert http(app.health_address, "/readyz")[0] == 200
     for u in ups:
         u.close_listener()
-    wait_until(lambda: app.metrics.sample("extractedprism_panic") == 1, 5)
+    wait_until(lambda: sample(app.metrics, "extractedprism_panic") == 1, 5)
     assert http(app.health_address, "/readyz")[0] == 503
-    errors = sum(app.metrics.sample("extractedprism_connection_errors_total",
+    errors = sum(sample(app.metrics, "extractedprism_connection_errors_total",
                                     {"upstream": u.address}) or 0 for u in ups)
     # Panic mode: all down -> client closed.
     with connect(app) as s:
         assert s.recv(10) == b""
     # Attempts made while no upstream was available are not connection errors.
-    assert sum(app.metrics.sample("extractedprism_connection_errors_total",
+    assert sum(sample(app.metrics, "extractedprism_connection_errors_total",
                                   {"upstream": u.address}) or 0 for u in ups) == errors
     # One comes back but is still marked unhealthy: panic mode still reaches it.
     ups[1].start()
     with connect(app) as s:
         assert read_line(s) == "up1"
-    wait_until(lambda: app.metrics.sample("extractedprism_panic") == 0, 5)
+    wait_until(lambda: sample(app.metrics, "extractedprism_panic") == 0, 5)
 
 
 def test_no_thread_or_fd_growth_after_1000_short_connections(make_app, servers):
@@ -322,14 +311,14 @@ def test_no_thread_or_fd_growth_after_1000_short_connections(make_app, servers):
     app = make_app([u.endpoint for u in ups])
     for _ in range(50):  # warm the pool
         whoami(app)
-    wait_until(lambda: app.registry.connection_count() == 0, 5)
+    wait_until(lambda: connection_count(app.registry) == 0, 5)
     threads0, (other0, pipes0) = pipe_threads(), fds()
     # LIFO hand-off: a sequential client keeps landing on the same few hot threads, so
     # only they have made kernel pipes (a FIFO queue would have cycled through ~50).
     assert pipes0 - pipes_base <= 4 * 4
     for _ in range(1000):
         whoami(app)
-    wait_until(lambda: app.registry.connection_count() == 0, 5)
+    wait_until(lambda: connection_count(app.registry) == 0, 5)
     # The pre-started pool serves a sequential client without new threads.
     assert pipe_threads() <= threads0
     wait_until(lambda: fds()[0] <= other0, 5, message=f"socket fds back to {other0}")
@@ -393,7 +382,7 @@ class _ListenerOutOfFds:
 
 def test_accept_out_of_descriptors_warns_once_per_episode(servers, caplog):
     (up,) = servers(1)
-    reg = Registry(metrics=Metrics(), selection="random", readyz=False, drain_timeout=1.0,
+    reg = Registry(selection="random", readyz=False, drain_timeout=1.0,
                    max_connections=16)
     reg.set_endpoints([up.endpoint])
     px = Proxy(reg, bind_address="127.0.0.1", bind_port=0, dial_timeout=1.0,
