@@ -301,6 +301,12 @@ class ControlPlane:
         return self.dir / f"{name}.pid"
 
     def pid(self, name: str) -> int | None:
+        """The live process ``name`` of this run, or None."""
+        child = self._children.get(name)
+        if child is not None:
+            # Our own child: authoritative, also between fork and exec, when its
+            # command line is still this process's.
+            return child.pid if child.poll() is None else None
         try:
             pid = int(self._pidfile(name).read_text())
         except (FileNotFoundError, ValueError):
@@ -411,7 +417,7 @@ class ControlPlane:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._reap()
-            if pid is None or not self._is_ours(pid):
+            if pid is None or self.pid(name) is None:
                 child = self._children.pop(name, None)
                 if child is not None:  # a zombie of ours: collect it
                     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -538,8 +544,7 @@ class ControlPlane:
         want = {self.ip(a) for a in apis}
         while True:
             for api in apis:
-                pid = self.state["pids"].get(api)
-                if pid is not None and not self._is_ours(pid):
+                if self.pid(api) is None:
                     tail = (self.dir / f"{api}.log").read_text(errors="replace")[-1500:]
                     raise CPError(f"{api} exited while starting; log tail:\n{tail}")
             ready = all(self.readyz(a) == 200 for a in apis)
@@ -634,8 +639,8 @@ class ControlPlane:
         done = []
         names = sorted(self.state["pids"], key=lambda n: n == "etcd")  # apiservers first
         for name in names:
-            pid = self.state["pids"][name]
-            if self._is_ours(pid):
+            pid = self.pid(name)
+            if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)  # a stopped process would not die of TERM
                     os.kill(pid, signal.SIGKILL)
