@@ -21,7 +21,6 @@ from tests.controlplane.conftest import (
     INTERVAL,
     SLACK,
     TIMEOUT,
-    Proxy,
     record,
     wait_all_ready,
     why_not,
@@ -61,7 +60,7 @@ def excluded(s: harness.Sample, addr: str) -> bool:
     return u is None or not u["healthy"] or u["draining"] or u["readiness"] != "ready"
 
 
-def start_watchers(proxy: Proxy, namespace: str, n: int, *, spread: int = 1,
+def start_watchers(proxy: harness.Proxy, namespace: str, n: int, *, spread: int = 1,
                    max_n: int = 12) -> list[tuple[Watcher, str | None]]:
     """Start ``n`` (up to ``max_n`` until ``spread`` upstreams carry one) kubectl watches,
     one at a time, each mapped to the upstream whose connection count it raised."""
