@@ -472,8 +472,7 @@ class ControlPlane:
     # -- HTTP helpers (root namespace, over the bridge) --
 
     def ssl_context(self) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(cafile=self.ca)
-        return ctx
+        return ssl.create_default_context(cafile=self.ca)
 
     def request(self, api: str, path: str, method: str = "GET", body: Any = None,
                 token: str | None = "admin", timeout: float = 5.0,
@@ -494,8 +493,9 @@ class ControlPlane:
                 raw = resp.read()
                 status = resp.status
         except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            status = exc.code
+            with exc:
+                raw = exc.read()
+                status = exc.code
         try:
             return status, json.loads(raw)
         except ValueError:
@@ -775,7 +775,8 @@ def describe(cp: ControlPlane) -> str:
         lines.append(f"{api}  https://{cp.endpoint(api)}  pid {cp.pid(api)}  "
                      f"netns {cp.state['netns'][api]}")
     lines += [f"CA: {cp.ca}  (serving certificate names: {SERVER_NAME}, the IPs)",
-              f"admin token: {cp.token_file('admin')}",
+              f"admin token: {cp.token('admin')} (in {cp.token_file('admin')}; a user in "
+              "system:masters, made for this run)",
               f"kubeconfig: {cp.dir}/admin.kubeconfig",
               f"kubectl: {cp.binary('kubectl')} --kubeconfig {cp.dir}/admin.kubeconfig "
               "get --raw /readyz",
