@@ -664,6 +664,8 @@ class ControlPlane:
             while (kind == "link" and time.monotonic() < deadline
                    and _ip("link", "show", name, check=False).returncode == 0):
                 time.sleep(0.05)
+        # The WAL preallocates 64 MiB; logs, state and PKI stay until `down --stale`.
+        shutil.rmtree(self.dir / "etcd-data", ignore_errors=True)
         self.state["downed_at"] = time.time()
         self.save()
         return done
