@@ -53,8 +53,9 @@ class Readiness(enum.Enum):
 class Lifecycle(enum.Enum):
     """Where the upstream stands with respect to the endpoint list.
 
-    New states (an operator's drain, a demoted static "fallback" endpoint) go here,
-    with their rule in :func:`pickable` and :data:`TAKES_CHECKS`.
+    New states (an operator's drain or close, a demoted static "fallback" endpoint) go
+    here, with their rule in :func:`pickable`, :data:`TAKES_CHECKS`, and the
+    transition functions below (:func:`drain`, :func:`undrain`).
     """
 
     ACTIVE = "active"  # in the merged endpoint list
@@ -91,7 +92,7 @@ class UpstreamState:
 
     @property
     def draining(self) -> bool:
-        return self.lifecycle is not Lifecycle.ACTIVE
+        return self.lifecycle is Lifecycle.DRAINING
 
     @property
     def pickable(self) -> bool:
