@@ -32,6 +32,7 @@ from extractedprism import handover, statefile
 from extractedprism.config import Config
 from extractedprism.endpoints import Endpoint
 from extractedprism.errors import ListenError
+from extractedprism.heartbeat import Heartbeat
 from extractedprism.httpd import HealthServer
 from extractedprism.merge import Merger
 from extractedprism.metrics import Metrics
@@ -48,55 +49,6 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 5.0
 HEARTBEAT_JOIN_S = 1.0
 CACHE = "cache"  # the provider name of the state file's endpoints
-
-
-class Heartbeat:
-    """Liveness: every --liveness-interval, confirm what a restart would fix: the
-    registry lock can be taken, and the acceptor and the ticker make progress (checked
-    by their loop counters and clocks, not only ``is_alive()``). /healthz fails when the
-    last confirmation is older than --liveness-threshold. Discovery is not part of it:
-    provider failures are isolated (the watcher restarts itself) and the static
-    endpoints keep serving, so a restart of the pod would only cut every connection."""
-
-    def __init__(self, app: App, *, interval: float, threshold: float, stop: threading.Event,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._app = app
-        self._interval = interval
-        self._threshold = threshold
-        self._stop = stop
-        self._clock = clock
-        self.last_beat = clock()
-        self.last_problem = ""
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(name="heartbeat", target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.check()
-
-    def check(self) -> bool:
-        problem = self._app.liveness_problem(self._interval)
-        if problem:
-            if problem != self.last_problem:
-                log.error("liveness check failed reason=%r", problem)
-            self.last_problem = problem
-            return False
-        if self.last_problem:
-            log.info("liveness check passes again")
-            self.last_problem = ""
-        self.last_beat = self._clock()
-        return True
-
-    def alive(self) -> bool:
-        return (self._clock() - self.last_beat <= self._threshold
-                and self._thread is not None and self._thread.is_alive())
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
 
 
 class App:
@@ -133,18 +85,16 @@ class App:
                              timeout=config.health_timeout, readyz=readyz,
                              stop=self.stop_event, prober=prober,
                              max_wait=min(config.liveness_interval, config.health_interval))
+        self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
+                                   threshold=config.liveness_threshold, stop=self.stop_event)
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
-                           pipe_sched=config.pipe_sched, on_accept_loop=self._accept_turned)
+                           pipe_sched=config.pipe_sched,
+                           on_accept_loop=self.heartbeat.accept_turned)
         self.merger = Merger(self.registry.set_endpoints, self.metrics)
         self.discovery: KubernetesProvider | None = None
-        self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
-                                   threshold=config.liveness_threshold, stop=self.stop_event)
         self.health: HealthServer | None = None  # made in start(), after the proxy binds
-        self._accept_loops = 0
-        self._accept_seen = 0
-        self._accept_suspect: int | None = None
         self._offer: handover.Offer | None = None
         self._state_writer: statefile.StateWriter | None = None
         self._cache_in_use = False
@@ -336,37 +286,6 @@ class App:
             self.merger.update(CACHE, [])
         if self._state_writer is not None:
             self._state_writer.save(endpoints)
-
-    def _accept_turned(self) -> None:
-        # The acceptor's progress counter (acceptor thread; one writer, read by the
-        # heartbeat: a plain int is enough).
-        self._accept_loops += 1
-
-    def liveness_problem(self, lock_timeout: float) -> str:
-        """Empty when alive, else what is wrong (heartbeat thread)."""
-        if not self.registry.lock.acquire(timeout=lock_timeout):
-            return "registry lock not acquired"
-        self.registry.lock.release()
-        if not self.proxy.acceptor_alive() and not self.proxy.handed_over:
-            return "acceptor thread exited"
-        # Idle, the acceptor blocks in accept() and its counter stands still; stuck, it
-        # also leaves clients in the backlog. A client that waited since the previous
-        # check without the loop turning means stuck (one check alone could race a
-        # client arriving just now).
-        loops, seen = self._accept_loops, self._accept_seen
-        self._accept_seen = loops
-        if self.proxy.backlog_waiting() and loops == seen:
-            if self._accept_suspect == loops:
-                return "acceptor not accepting: a client waits in the backlog"
-            self._accept_suspect = loops
-        else:
-            self._accept_suspect = None
-        if not self.ticker.alive():
-            return "ticker thread exited"
-        age = time.monotonic() - self.ticker.last_loop
-        if age > self.config.liveness_threshold:
-            return f"ticker loop stalled for {age:.1f}s"
-        return ""
 
     def alive(self) -> bool:
         return self._started and not self.stop_event.is_set() and self.heartbeat.alive()
