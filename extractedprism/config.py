@@ -37,6 +37,7 @@ from extractedprism.flags import (
     parse_duration,
     show_value,
 )
+from extractedprism.selection import MODES as SELECTION_MODES  # selection owns its modes
 
 __all__ = [
     "AT_LEAST_1",
@@ -67,7 +68,6 @@ __all__ = [
 
 LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
 LOG_FORMATS = ("logfmt", "json")
-SELECTION_MODES = ("random", "latency", "least-conn")
 HEALTH_CHECKS = ("tcp", "readyz")
 PIPE_SCHED_POLICIES = ("batch", "normal")
 STATIC_ENDPOINT_MODES = ("always", "fallback")
