@@ -32,7 +32,7 @@ from extractedprism import handover, statefile
 from extractedprism.config import Config
 from extractedprism.endpoints import Endpoint
 from extractedprism.httpd import HealthServer
-from extractedprism.merge import Merger
+from extractedprism.merge import CACHE, KUBERNETES, STATIC, Merger
 from extractedprism.metrics import Metrics
 from extractedprism.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
 from extractedprism.proxy import Proxy
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 5.0
 HEARTBEAT_JOIN_S = 1.0
-CACHE = "cache"  # the provider name of the state file's endpoints
 
 
 class Heartbeat:
@@ -133,7 +132,9 @@ class App:
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
                            pipe_sched=config.pipe_sched)
-        self.merger = Merger(self.registry.set_endpoints, self.metrics)
+        self.merger = Merger(self.registry.set_endpoints, self.metrics,
+                             static_mode=config.static_endpoints,
+                             apply_roles=self.registry.set_roles)
         self.discovery: KubernetesProvider | None = None
         self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
                                    threshold=config.liveness_threshold, stop=self.stop_event)
@@ -263,7 +264,7 @@ class App:
                 log.warning("readyz CA file unusable flag=--health-check-ca-file path=%s "
                             "reason=%r; every readyz probe fails until it is fixed",
                             cfg.health_check_ca_file, problem)
-        self.merger.update("static", list(cfg.endpoints))
+        self.merger.update(STATIC, list(cfg.endpoints))
         self._load_state_file()
         if cfg.enable_discovery:
             self._start_discovery()
@@ -314,14 +315,15 @@ class App:
         self._state_writer.start(current=cached)
 
     def _on_discovered(self, endpoints: list[Endpoint]) -> None:
-        self.merger.update("kubernetes", endpoints)
         if self._cache_in_use:
-            # Discovery speaks for itself now; after the kubernetes list is applied, so
-            # an endpoint in both never leaves. The cache's others drain like any
-            # removed endpoint (--drain-timeout).
+            # Discovery speaks for itself now: the cache goes in the same update that
+            # applies its first list, so an endpoint in both never leaves; the cache's
+            # others drain like any removed endpoint (--drain-timeout).
             self._cache_in_use = False
             log.info("state file cache dropped: discovery produced its first list")
-            self.merger.update(CACHE, [])
+            self.merger.update(KUBERNETES, endpoints, drop=(CACHE,))
+        else:
+            self.merger.update(KUBERNETES, endpoints)
         if self._state_writer is not None:
             self._state_writer.save(endpoints)
 

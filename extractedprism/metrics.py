@@ -101,8 +101,9 @@ class StateCollector(Collector):
         )
         yield g(
             PREFIX + "upstreams_total",
-            "Total known upstreams, including unhealthy and draining",
-            value=len(snap.upstreams),
+            "Total known upstreams, including unhealthy and draining (not the static "
+            "endpoints --static-endpoints=fallback keeps as a last resort)",
+            value=sum(1 for u in snap.upstreams if not u.fallback),
         )
         yield g(
             PREFIX + "connections_active",
