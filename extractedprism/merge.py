@@ -88,11 +88,6 @@ class Merger:
             )
             self._apply(list(merged), roles)
 
-    def current(self) -> list[Endpoint]:
-        """The list last applied (empty before the first apply)."""
-        with self._lock:
-            return list(self._applied[0]) if self._applied else []
-
     def _roles(self, merged: list[Endpoint]) -> Roles:
         providers = sorted(self._lists, key=_provider_rank)
         listing = {p: set(self._lists[p]) for p in providers}
