@@ -38,6 +38,7 @@ from extractedprism.metrics import Metrics
 from extractedprism.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
 from extractedprism.proxy import Proxy
 from extractedprism.registry import Change, Registry
+from extractedprism.shutdown_drain import spread_close
 from extractedprism.ticker import Ticker
 
 if TYPE_CHECKING:
@@ -416,29 +417,14 @@ class App:
 
     def _shutdown_drain(self, window: float) -> None:
         """Stop accepting, then close the live connections spread evenly over
-        ``window``, oldest first, so their clients reconnect (to a successor, or once
-        one runs) a few at a time instead of all at once. What is left at the end is
-        force-closed by the shutdown that follows."""
+        ``window`` (shutdown_drain.py). Whatever is left is force-closed by the
+        shutdown that follows."""
         self.proxy.close_listener()  # refused from now on, unless a successor accepts
-        start = time.monotonic()
         conns = self.registry.live_connections()
-        n = len(conns)
         log.info("shutdown drain: closing connections spread over the window "
-                 "connections=%d window=%gs handed_over=%s", n, window,
+                 "connections=%d window=%gs handed_over=%s", len(conns), window,
                  self.proxy.handed_over)
-        closed = 0
-        for i, conn in enumerate(conns):
-            # Connection i closes at the middle of its 1/n-th of the window: evenly
-            # spaced, none at the very start or end.
-            at = start + window * (i + 0.5) / n
-            delay = at - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            conn.close()  # a no-op for one that ended meanwhile
-            closed += 1
-        rest = start + window - time.monotonic()
-        if rest > 0:
-            time.sleep(rest)
+        closed = spread_close(conns, window)
         log.info("shutdown drain over closed=%d", closed)
 
     def __enter__(self) -> App:
