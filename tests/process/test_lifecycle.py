@@ -279,3 +279,29 @@ def test_state_file_across_a_real_restart(api, tmp_path: Path):
             p.reap()
         for s in (a, b, c):
             s.stop()
+
+
+@pytest.mark.fd_leak_ok("the fake API server's dripping list connection ends with its thread")
+def test_sigterm_exits_within_6s_with_a_list_call_stuck(api, upstream, tmp_path: Path):
+    # Discovery straight to the API server (a kubeconfig), whose list answers one byte
+    # every 0.5 s: the watcher thread sits in the read at SIGTERM. It is abandoned at
+    # the shared deadline, not waited for after it.
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    api.drip_next_list(0.5)
+    proc, bind, _ = _start_discovering(["--endpoints", upstream.address,
+                                        "--enable-discovery=true", "--kubeconfig",
+                                        str(kubeconfig)])
+    try:
+        wait_until(lambda: api.list_requests(), 10, message="a list call in flight")
+        held = HeldConnections(bind, 5, GREETING)
+        try:
+            t0 = time.monotonic()
+            proc.signal(signal.SIGTERM)
+            assert proc.wait(SHUTDOWN_BOUND_S + 5) == 0
+            assert time.monotonic() - t0 < SHUTDOWN_BOUND_S
+            wait_until(held.all_closed, 5, message="connections force-closed")
+        finally:
+            held.close()
+        assert "thread=watcher" in proc.log  # abandoned, and said so
+    finally:
+        proc.reap()
