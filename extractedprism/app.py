@@ -34,11 +34,12 @@ from extractedprism.endpoints import Endpoint
 from extractedprism.errors import ListenError
 from extractedprism.heartbeat import Heartbeat
 from extractedprism.httpd import HealthServer
-from extractedprism.merge import Merger
+from extractedprism.merge import CACHE, KUBERNETES, STATIC, Merger
 from extractedprism.metrics import Metrics
 from extractedprism.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
 from extractedprism.proxy import Proxy
 from extractedprism.registry import Change, Registry
+from extractedprism.shutdown_drain import spread_close
 from extractedprism.ticker import Ticker
 
 if TYPE_CHECKING:
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 5.0
 HEARTBEAT_JOIN_S = 1.0
-CACHE = "cache"  # the provider name of the state file's endpoints
 
 
 class App:
@@ -92,7 +92,9 @@ class App:
                            max_connections=config.max_connections,
                            pipe_sched=config.pipe_sched,
                            on_accept_loop=self.heartbeat.accept_turned)
-        self.merger = Merger(self.registry.set_endpoints, self.metrics)
+        self.merger = Merger(self.registry.set_endpoints, self.metrics,
+                             static_mode=config.static_endpoints,
+                             apply_roles=self.registry.set_roles)
         self.discovery: KubernetesProvider | None = None
         self.health: HealthServer | None = None  # made in start(), after the proxy binds
         self._offer: handover.Offer | None = None
@@ -225,7 +227,7 @@ class App:
                 log.warning("readyz CA file unusable flag=--health-check-ca-file path=%s "
                             "reason=%r; every readyz probe fails until it is fixed",
                             cfg.health_check_ca_file, problem)
-        self.merger.update("static", list(cfg.endpoints))
+        self.merger.update(STATIC, list(cfg.endpoints))
         self._load_state_file()
         if cfg.enable_discovery:
             self._start_discovery()
@@ -276,14 +278,15 @@ class App:
         self._state_writer.start(current=cached)
 
     def _on_discovered(self, endpoints: list[Endpoint]) -> None:
-        self.merger.update("kubernetes", endpoints)
         if self._cache_in_use:
-            # Discovery speaks for itself now; after the kubernetes list is applied, so
-            # an endpoint in both never leaves. The cache's others drain like any
-            # removed endpoint (--drain-timeout).
+            # Discovery speaks for itself now: the cache goes in the same update that
+            # applies its first list, so an endpoint in both never leaves; the cache's
+            # others drain like any removed endpoint (--drain-timeout).
             self._cache_in_use = False
             log.info("state file cache dropped: discovery produced its first list")
-            self.merger.update(CACHE, [])
+            self.merger.update(KUBERNETES, endpoints, drop=(CACHE,))
+        else:
+            self.merger.update(KUBERNETES, endpoints)
         if self._state_writer is not None:
             self._state_writer.save(endpoints)
 
@@ -333,29 +336,14 @@ class App:
 
     def _shutdown_drain(self, window: float) -> None:
         """Stop accepting, then close the live connections spread evenly over
-        ``window``, oldest first, so their clients reconnect (to a successor, or once
-        one runs) a few at a time instead of all at once. What is left at the end is
-        force-closed by the shutdown that follows."""
+        ``window`` (shutdown_drain.py). Whatever is left is force-closed by the
+        shutdown that follows."""
         self.proxy.close_listener()  # refused from now on, unless a successor accepts
-        start = time.monotonic()
         conns = self.registry.live_connections()
-        n = len(conns)
         log.info("shutdown drain: closing connections spread over the window "
-                 "connections=%d window=%gs handed_over=%s", n, window,
+                 "connections=%d window=%gs handed_over=%s", len(conns), window,
                  self.proxy.handed_over)
-        closed = 0
-        for i, conn in enumerate(conns):
-            # Connection i closes at the middle of its 1/n-th of the window: evenly
-            # spaced, none at the very start or end.
-            at = start + window * (i + 0.5) / n
-            delay = at - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            conn.close()  # a no-op for one that ended meanwhile
-            closed += 1
-        rest = start + window - time.monotonic()
-        if rest > 0:
-            time.sleep(rest)
+        closed = spread_close(conns, window)
         log.info("shutdown drain over closed=%d", closed)
 
     def __enter__(self) -> App:

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from extractedprism import upstream as sm
 from extractedprism.effects import Change, Effects
@@ -35,6 +35,9 @@ from extractedprism.latency import LatencyTiers
 from extractedprism.selection import Candidate, choose
 from extractedprism.snapshot import ConnView, Snapshot, UpstreamView
 from extractedprism.upstream import ProbeResult, Readiness, UpstreamState
+
+if TYPE_CHECKING:
+    from extractedprism.merge import Roles
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class _Record:
     connection_errors: int = 0
     bytes_up: int = 0  # of finished connections
     bytes_down: int = 0
+    sources: tuple[str, ...] = ()  # the providers listing it (merge.Roles)
 
 
 def _started(conn: Tracked) -> float:
@@ -107,22 +111,35 @@ class Registry:
 
     # -- discovery ----------------------------------------------------------------
 
-    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
-        """Make ``endpoints`` the upstream list: add new ones, drain removed ones."""
+    def set_endpoints(self, endpoints: Sequence[Endpoint], roles: Roles | None = None
+                      ) -> None:
+        """Make ``endpoints`` the upstream list: add new ones, drain removed ones.
+
+        ``roles`` (from the merger): each address's providers, and the static ones kept
+        only as a last resort (lifecycle FALLBACK: checked, tried in panic mode, never
+        picked normally)."""
         wanted = {str(ep): ep for ep in endpoints}
+        sources = roles.sources if roles is not None else {}
+        fallback = roles.fallback if roles is not None else frozenset()
         fx = Effects()
         with self.lock:
             now = self._clock()
             for addr, ep in wanted.items():
                 rec = self._ups.get(addr)
+                demoted = addr in fallback
                 if rec is None:
-                    self._ups[addr] = _Record(endpoint=ep)
-                    fx.log(logging.INFO, "upstream added upstream=%s", addr)
+                    rec = self._ups[addr] = _Record(endpoint=ep)
+                    rec.state = sm.listed(rec.state, fallback=demoted)
+                    fx.log(logging.INFO, "upstream added upstream=%s%s", addr,
+                           " fallback=true" if demoted else "")
                 elif rec.state.draining:
-                    rec.state = sm.undrain(rec.state)
+                    rec.state = sm.listed(rec.state, fallback=demoted)
                     rec.drain_deadline = None
                     fx.log(logging.INFO, "upstream drain aborted upstream=%s reason=%r", addr,
                            "re-added")
+                else:
+                    self._set_role_locked(addr, rec, demoted, fx)
+                rec.sources = tuple(sources.get(addr, ()))
             for addr, rec in list(self._ups.items()):
                 if addr in wanted or rec.state.draining:
                     continue
@@ -141,6 +158,31 @@ class Registry:
             fx.changes.append(Change("endpoints"))
         self._run(fx)
 
+    def set_roles(self, roles: Roles) -> None:
+        """The same endpoint list with other roles (sources, fallback demotions)."""
+        fx = Effects()
+        with self.lock:
+            for addr, rec in self._ups.items():
+                if rec.state.draining:
+                    continue
+                self._set_role_locked(addr, rec, addr in roles.fallback, fx)
+                rec.sources = tuple(roles.sources.get(addr, rec.sources))
+            self._update_readiness_deadlines_locked(self._clock(), fx)
+            self._update_panic_locked(fx)
+        self._run(fx)
+
+    @staticmethod
+    def _set_role_locked(addr: str, rec: _Record, demoted: bool, fx: Effects) -> None:
+        if rec.state.fallback == demoted:
+            return
+        rec.state = sm.listed(rec.state, fallback=demoted)
+        if demoted:
+            fx.log(logging.INFO, "upstream kept as a fallback upstream=%s reason=%r", addr,
+                   "static endpoint not in discovery's list")
+        else:
+            fx.log(logging.INFO, "upstream fallback over upstream=%s reason=%r", addr,
+                   "listed by discovery")
+
     def _remove_locked(self, addr: str) -> list[Tracked]:
         rec = self._ups.pop(addr)
         self._latency.remove(addr)
@@ -157,6 +199,7 @@ class Registry:
             tier = self._latency.tier if self._latency_mode else None
             addr = choose(
                 [Candidate(address=a, healthy=r.state.healthy, draining=r.state.draining,
+                           fallback=r.state.fallback,
                            ready=r.state.readiness is Readiness.READY,
                            tier=tier(a) if tier is not None else None,
                            active=len(r.conns) + r.dialing)
@@ -367,7 +410,8 @@ class Registry:
                     rtt=self._latency.average(addr) if latency else None,
                     active=len(r.conns), total=r.total_connections, errors=r.connection_errors,
                     bytes_up=r.bytes_up + sum(c.bytes_up for c in r.conns.values()),
-                    bytes_down=r.bytes_down + sum(c.bytes_down for c in r.conns.values()))
+                    bytes_down=r.bytes_down + sum(c.bytes_down for c in r.conns.values()),
+                    sources=r.sources)
                 for addr, r in sorted(self._ups.items())
             )
             conns = tuple(ConnView(c.client, a, c.started, c.bytes_up, c.bytes_down)

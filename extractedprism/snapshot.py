@@ -40,17 +40,26 @@ class UpstreamView:
     connection_errors: int = 0  # failed dials counted for connection_errors_total
     bytes_up: int = 0  # client -> upstream, finished and live connections
     bytes_down: int = 0  # upstream -> client
+    # The providers whose lists hold it, in provider order: "static", "kubernetes",
+    # "cache" (one or several).
+    sources: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, address: str, s: UpstreamState, *, readyz: bool, tier: int | None,
            rtt: float | None, active: int, total: int, errors: int, bytes_up: int,
-           bytes_down: int) -> UpstreamView:
+           bytes_down: int, sources: tuple[str, ...] = ()) -> UpstreamView:
         return cls(address=address, healthy=s.healthy, draining=s.draining, ready=s.ready,
                    readiness=s.readiness.value if readyz else "n/a",
                    probed_ready=s.probed_ready, tier=tier, rtt_seconds=rtt,
                    active_connections=active, total_connections=total,
                    last_check_error=s.last_check_error, lifecycle=s.lifecycle.value,
-                   connection_errors=errors, bytes_up=bytes_up, bytes_down=bytes_down)
+                   connection_errors=errors, bytes_up=bytes_up, bytes_down=bytes_down,
+                   sources=sources)
+
+    @property
+    def fallback(self) -> bool:
+        """A static endpoint demoted by --static-endpoints=fallback (panic mode only)."""
+        return self.lifecycle == "fallback"
 
     @property
     def pickable(self) -> bool:
@@ -59,6 +68,9 @@ class UpstreamView:
     def as_json(self) -> dict[str, object]:
         return {
             "address": self.address,
+            "source": list(self.sources),
+            "state": ("fallback" if self.fallback else "draining" if self.draining
+                      else "healthy" if self.healthy else "unhealthy"),
             "healthy": self.healthy,
             "draining": self.draining,
             "ready": self.ready if self.readiness != "n/a" else None,

@@ -17,9 +17,11 @@ Rules
   becomes unready, so it loses its long-lived connections like an unready one.
 * Lifecycle: ACTIVE while in the endpoint list; DRAINING once removed (no new
   connections, no health checks, the health value holds) until its connections end or
-  --drain-timeout; re-adding it makes it ACTIVE again.
-* Pickable for a new connection: healthy and not draining (:func:`pickable`, the one
-  place that says so).
+  --drain-timeout; re-adding it makes it ACTIVE again. FALLBACK (``--static-endpoints=
+  fallback``): a static endpoint that discovery's list lacks; still health-checked and
+  tried in panic mode, never picked normally; listed by discovery again, it is ACTIVE.
+* Pickable for a new connection: healthy, not draining, not a fallback
+  (:func:`pickable`, the one place that says so).
 """
 
 from __future__ import annotations
@@ -60,10 +62,13 @@ class Lifecycle(enum.Enum):
 
     ACTIVE = "active"  # in the merged endpoint list
     DRAINING = "draining"  # removed: connections finish within --drain-timeout
+    FALLBACK = "fallback"  # static, not in discovery's list: last resort (panic mode)
 
 
-# Lifecycles whose upstreams are health-checked and may take new connections.
-TAKES_CHECKS = frozenset({Lifecycle.ACTIVE})
+# Lifecycles whose upstreams are health-checked.
+TAKES_CHECKS = frozenset({Lifecycle.ACTIVE, Lifecycle.FALLBACK})
+# Lifecycles that are in the endpoint list (the others drain).
+LISTED = frozenset({Lifecycle.ACTIVE, Lifecycle.FALLBACK})
 
 
 class _HealthAndDrain(Protocol):
@@ -73,10 +78,13 @@ class _HealthAndDrain(Protocol):
     @property
     def draining(self) -> bool: ...
 
+    @property
+    def fallback(self) -> bool: ...
+
 
 def pickable(u: _HealthAndDrain) -> bool:
-    """Eligible for a new connection: healthy and not draining."""
-    return u.healthy and not u.draining
+    """Eligible for a new connection: healthy, not draining, not a fallback."""
+    return u.healthy and not u.draining and not u.fallback
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +101,10 @@ class UpstreamState:
     @property
     def draining(self) -> bool:
         return self.lifecycle is Lifecycle.DRAINING
+
+    @property
+    def fallback(self) -> bool:
+        return self.lifecycle is Lifecycle.FALLBACK
 
     @property
     def pickable(self) -> bool:
@@ -207,6 +219,13 @@ def drain(s: UpstreamState) -> UpstreamState:
 def undrain(s: UpstreamState) -> UpstreamState:
     """Re-added before its drain completed: the drain is aborted."""
     return _replace(s, lifecycle=Lifecycle.ACTIVE)
+
+
+def listed(s: UpstreamState, *, fallback: bool) -> UpstreamState:
+    """In the new endpoint list, as an ordinary upstream or as a fallback (a drain, if
+    any, is aborted)."""
+    want = Lifecycle.FALLBACK if fallback else Lifecycle.ACTIVE
+    return s if s.lifecycle is want else _replace(s, lifecycle=want)
 
 
 def loses_connections(s: UpstreamState, another_ready: bool) -> bool:
