@@ -71,10 +71,22 @@ def level_name(levelno: int) -> str:
     return "fatal"
 
 
+_second_cache: tuple[int, str, str] = (-1, "", "")  # second, date and time, offset
+
+
 def rfc3339(created: float) -> str:
-    """``2026-12-01T18:25:55.148+00:00``: local time with its offset, milliseconds."""
-    stamp = datetime.datetime.fromtimestamp(created).astimezone()
-    return stamp.isoformat(timespec="milliseconds")
+    """``2026-12-01T18:25:55.148+00:00``: local time with its offset, milliseconds.
+
+    The date, time and offset are worked out once per second (records come in bursts);
+    the cache is one tuple, replaced whole, so threads never see half of an update.
+    """
+    global _second_cache
+    second, ms = divmod(int(created * 1000), 1000)
+    cached = _second_cache
+    if cached[0] != second:
+        text = datetime.datetime.fromtimestamp(second).astimezone().isoformat()
+        cached = _second_cache = (second, text[:19], text[19:])
+    return f"{cached[1]}.{ms:03d}{cached[2]}"
 
 
 def quote(text: str) -> str:
