@@ -101,6 +101,7 @@ def _escape(match: re.Match[str]) -> str:
     return _NAMED_ESCAPES.get(char) or f"\\u{ord(char):04x}"
 
 
+@functools.lru_cache(maxsize=1024)
 def _key(text: str) -> str:
     """Keys never need quoting: anything outside [A-Za-z0-9_.-] becomes ``_``."""
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", text) or "_"
@@ -152,8 +153,12 @@ def _parse_template(template: str, with_args: bool) -> tuple[tuple[str, str, int
 
 def _format_value(template: str, args: tuple[Any, ...]) -> Any:
     """A field's value template with its arguments; a lone ``%s``/``%d`` keeps the type."""
-    if template in ("%s", "%d", "%r", "%i") and isinstance(args[0], (bool, int, float)):
-        return args[0]
+    if template in ("%s", "%d", "%r", "%i"):
+        arg = args[0]
+        if isinstance(arg, (bool, int, float)):
+            return arg
+        if isinstance(arg, str) and template in ("%s", "%r"):
+            return arg
     it = iter(args)
 
     def one(m: re.Match[str]) -> str:
