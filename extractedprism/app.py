@@ -51,9 +51,12 @@ CACHE = "cache"  # the provider name of the state file's endpoints
 
 
 class Heartbeat:
-    """Liveness: every --liveness-interval, confirm the registry lock can be taken and
-    the acceptor, ticker and discovery threads are alive and turning; /healthz fails
-    when the last confirmation is older than --liveness-threshold."""
+    """Liveness: every --liveness-interval, confirm what a restart would fix: the
+    registry lock can be taken, and the acceptor and the ticker make progress (checked
+    by their loop counters and clocks, not only ``is_alive()``). /healthz fails when the
+    last confirmation is older than --liveness-threshold. Discovery is not part of it:
+    provider failures are isolated (the watcher restarts itself) and the static
+    endpoints keep serving, so a restart of the pod would only cut every connection."""
 
     def __init__(self, app: App, *, interval: float, threshold: float, stop: threading.Event,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -133,12 +136,15 @@ class App:
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
-                           pipe_sched=config.pipe_sched)
+                           pipe_sched=config.pipe_sched, on_accept_loop=self._accept_turned)
         self.merger = Merger(self.registry.set_endpoints, self.metrics)
         self.discovery: KubernetesProvider | None = None
         self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
                                    threshold=config.liveness_threshold, stop=self.stop_event)
         self.health: HealthServer | None = None  # made in start(), after the proxy binds
+        self._accept_loops = 0
+        self._accept_seen = 0
+        self._accept_suspect: int | None = None
         self._offer: handover.Offer | None = None
         self._state_writer: statefile.StateWriter | None = None
         self._cache_in_use = False
@@ -331,6 +337,11 @@ class App:
         if self._state_writer is not None:
             self._state_writer.save(endpoints)
 
+    def _accept_turned(self) -> None:
+        # The acceptor's progress counter (acceptor thread; one writer, read by the
+        # heartbeat: a plain int is enough).
+        self._accept_loops += 1
+
     def liveness_problem(self, lock_timeout: float) -> str:
         """Empty when alive, else what is wrong (heartbeat thread)."""
         if not self.registry.lock.acquire(timeout=lock_timeout):
@@ -338,13 +349,23 @@ class App:
         self.registry.lock.release()
         if not self.proxy.acceptor_alive() and not self.proxy.handed_over:
             return "acceptor thread exited"
+        # Idle, the acceptor blocks in accept() and its counter stands still; stuck, it
+        # also leaves clients in the backlog. A client that waited since the previous
+        # check without the loop turning means stuck (one check alone could race a
+        # client arriving just now).
+        loops, seen = self._accept_loops, self._accept_seen
+        self._accept_seen = loops
+        if self.proxy.backlog_waiting() and loops == seen:
+            if self._accept_suspect == loops:
+                return "acceptor not accepting: a client waits in the backlog"
+            self._accept_suspect = loops
+        else:
+            self._accept_suspect = None
         if not self.ticker.alive():
             return "ticker thread exited"
         age = time.monotonic() - self.ticker.last_loop
         if age > self.config.liveness_threshold:
             return f"ticker loop stalled for {age:.1f}s"
-        if self.discovery is not None and not self.discovery.is_healthy():
-            return "discovery thread exited"
         return ""
 
     def alive(self) -> bool:

@@ -14,8 +14,8 @@ counters, the drain and readiness deadlines and the panic flag. Fields guarded b
 ``self.lock``: ``_ups`` (and everything in each record), ``_panic``, ``_conn_count``,
 ``_connections_total``, ``_closing``. Methods never do I/O, logging or callbacks while
 holding it: sockets to close, log lines and change notices are collected in an
-:class:`_Effects` under the lock and carried out after it is released, so a stalled
-log handler or a slow close never stalls a pick.
+:class:`~extractedprism.effects.Effects` under the lock and carried out after it is
+released, so a stalled log handler or a slow close never stalls a pick.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from extractedprism import upstream as sm
+from extractedprism.effects import Change, Effects
 from extractedprism.endpoints import Endpoint
 from extractedprism.latency import LatencyTiers
 from extractedprism.selection import Candidate, choose
 from extractedprism.snapshot import ConnView, Snapshot, UpstreamView
-from extractedprism.upstream import ProbeResult, Readiness, Transition, UpstreamState
+from extractedprism.upstream import ProbeResult, Readiness, UpstreamState
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +52,6 @@ class Tracked(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class Change:
-    """What the registry tells its one listener (the ticker) after releasing the lock."""
-
-    what: str  # "endpoints" (list changed) | "health" (a dial flipped it) | "probe-now"
-    address: str = ""
-
-
 @dataclass
 class _Record:
     endpoint: Endpoint
@@ -73,28 +66,6 @@ class _Record:
     connection_errors: int = 0
     bytes_up: int = 0  # of finished connections
     bytes_down: int = 0
-
-
-class _Effects:
-    """Side effects collected under the lock, run after it is released."""
-
-    __slots__ = ("changes", "close", "logs")
-
-    def __init__(self) -> None:
-        self.close: list[Tracked] = []
-        self.logs: list[tuple[int, str, tuple[object, ...]]] = []
-        self.changes: list[Change] = []
-
-    def log(self, level: int, msg: str, *args: object) -> None:
-        self.logs.append((level, msg, args))
-
-    def transitions(self, addr: str, transitions: Iterable[Transition]) -> None:
-        for t in transitions:
-            if t.kind == "check":
-                self.log(t.level, "upstream check failed upstream=%s reason=%r", addr, t.reason)
-            else:
-                self.log(t.level, "upstream %s->%s upstream=%s reason=%r", t.before, t.after,
-                         addr, t.reason)
 
 
 def _started(conn: Tracked) -> float:
@@ -131,25 +102,15 @@ class Registry:
         self._connections_total = 0
         self._closing = False
 
-    def _run(self, fx: _Effects) -> None:
-        """Carry out collected effects; called with the lock released."""
-        for conn in fx.close:
-            try:
-                conn.close()
-            except Exception:  # a close must never take a caller down
-                log.exception("closing connection failed client=%s", conn.client)
-        for level, msg, args in fx.logs:
-            log.log(level, msg, *args)
-        if self._on_change is not None:
-            for change in fx.changes:
-                self._on_change(change)
+    def _run(self, fx: Effects) -> None:
+        fx.run(log, self._on_change)
 
     # -- discovery ----------------------------------------------------------------
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         """Make ``endpoints`` the upstream list: add new ones, drain removed ones."""
         wanted = {str(ep): ep for ep in endpoints}
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             now = self._clock()
             for addr, ep in wanted.items():
@@ -232,7 +193,7 @@ class Registry:
             recs.sort(key=_last_success, reverse=True)
             return [r.endpoint for r in recs]
 
-    def _update_panic_locked(self, fx: _Effects) -> None:
+    def _update_panic_locked(self, fx: Effects) -> None:
         panic = bool(self._ups) and not any(r.state.pickable for r in self._ups.values())
         if panic != self._panic:
             self._panic = panic
@@ -246,7 +207,7 @@ class Registry:
 
     def record_probe(self, addr: str, result: ProbeResult) -> None:
         """Feed one health check (TCP, and readyz when enabled) into the state machine."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             rec = self._ups.get(addr)
             if rec is None or rec.state.lifecycle not in sm.TAKES_CHECKS:
@@ -279,7 +240,7 @@ class Registry:
             if state is rec.state:
                 return  # the common case: nothing to change, nobody to wake
             rec.state = state
-            fx = _Effects()
+            fx = Effects()
             fx.transitions(addr, transitions)
             flipped = any(t.health_flipped for t in transitions)
             if flipped:
@@ -293,7 +254,7 @@ class Registry:
 
     # -- readiness-driven connection moves ----------------------------------------
 
-    def _update_readiness_deadlines_locked(self, now: float, fx: _Effects) -> None:
+    def _update_readiness_deadlines_locked(self, now: float, fx: Effects) -> None:
         if not self._readyz:
             return
         ready_addrs = {a for a, r in self._ups.items() if r.state.pickable and r.state.ready}
@@ -312,7 +273,7 @@ class Registry:
                        "reason=%r", addr, what)
 
     @staticmethod
-    def _close_conns_locked(addr: str, rec: _Record, fx: _Effects) -> None:
+    def _close_conns_locked(addr: str, rec: _Record, fx: Effects) -> None:
         conns = list(rec.conns.values())
         if conns:
             fx.log(logging.INFO, "closing connections upstream=%s connections=%d reason=%r",
@@ -322,7 +283,7 @@ class Registry:
 
     def tick(self) -> float | None:
         """Expire drain and readiness deadlines; return the next deadline, if any."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             now = self._clock()
             for addr, rec in list(self._ups.items()):
@@ -369,7 +330,7 @@ class Registry:
 
     def close_all(self) -> int:
         """Shutdown: refuse new attaches and force-close every live connection."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             self._closing = True
             fx.close = [c for r in self._ups.values() for c in r.conns.values()]
