@@ -201,6 +201,14 @@ FLAGS: tuple[Flag, ...] = (
         "saves most context switches) or normal (SCHED_OTHER)",
         PIPE_SCHED_POLICIES,
     ),
+    Flag(
+        "admin-socket",
+        "path",
+        "",
+        "Unix socket for runtime control (`extractedprism admin`: drain, undrain, close, "
+        "list), created with mode 0600 so only this user and root can use it; never a TCP "
+        "port (empty: off)",
+    ),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
@@ -235,6 +243,7 @@ class Config:
     kubeconfig: str = ""
     max_connections: int = 4096
     pipe_sched: str = "batch"
+    admin_socket: str = ""
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""
@@ -314,7 +323,7 @@ def validate(values: dict[str, str | None]) -> Config:
     # Modes and TLS.
     # A path of spaces is as unset as an empty one (a template's blank value, say).
     for name in ("health_check_ca_file", "health_check_cert_file", "health_check_key_file",
-                 "health_check_token_file"):
+                 "health_check_token_file", "admin_socket"):
         if name in out and not str(out[name]).strip():
             out[name] = ""
     if have("health_check") and out["health_check"] == "readyz" and not out.get(

@@ -54,6 +54,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "kubeconfig": "/etc/extractedprism/kubeconfig",
     "max-connections": 1000000,
     "pipe-sched": "normal",
+    "admin-socket": "/run/extractedprism/admin.sock",
 }
 
 

@@ -121,6 +121,7 @@ health-check-server-name: healthCheckServerName
 kubeconfig: kubeconfig
 max-connections: maxConnections
 pipe-sched: pipeSched
+admin-socket: adminSocket
 {{- end -}}
 
 {{/* Integer-valued keys: printed as whole numbers even when values arrive as floats (JSON). */}}
