@@ -18,7 +18,7 @@ from tests.fakes.fake_apiserver import FakeApiServer
 from tests.fakes.upstream import EchoServer, IdentityServer
 
 PRODUCT_THREAD_PREFIXES = ("acceptor", "ticker", "pipe-", "probe-", "watcher", "heartbeat",
-                           "health-http")
+                           "health-http", "admin-")
 
 
 def _product_threads() -> set[threading.Thread]:
