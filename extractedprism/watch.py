@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 
 from extractedprism.backoff import Backoff
 from extractedprism.config import Config
+from extractedprism.discovery import DiscoveryStatus
 from extractedprism.endpoints import Endpoint
 from extractedprism.kube import Gone, KubeClient, WatchStream, build_client
 from extractedprism.metrics import Metrics
@@ -94,6 +95,7 @@ class KubernetesProvider:
         sa_dir: str | None = None,
         sleep: Callable[[float], object] | None = None,
         watch_timeout_seconds: int | None = None,
+        status: DiscoveryStatus | None = None,
     ) -> None:
         self._config = config
         self._on_update = on_update
@@ -104,6 +106,8 @@ class KubernetesProvider:
         self._sa_dir = sa_dir
         self._sleep = sleep if sleep is not None else stop.wait
         self._watch_timeout = watch_timeout_seconds
+        # What /upstreams and the discovery gauges show; written only by this thread.
+        self._status = status if status is not None else DiscoveryStatus(PROVIDER)
         self.backoff = Backoff(self._rng)
         self._client: KubeClient | None = None
         self._thread: threading.Thread | None = None
@@ -127,10 +131,12 @@ class KubernetesProvider:
             return
         client = build_client(self._config, self._sa_dir)
         if client is None:
+            reason = "no --kubeconfig and no in-cluster service account"
             log.warning(
                 "kubernetes discovery unavailable reason=%r; serving static endpoints only",
-                "no --kubeconfig and no in-cluster service account",
+                reason,
             )
+            self._status.error(f"unavailable: {reason}")
             return
         self._client = client
         self._thread = threading.Thread(name="watcher", target=self._run, daemon=True)
@@ -173,6 +179,7 @@ class KubernetesProvider:
             if not self._stop.is_set():
                 self._failed = True
                 self._count_error()
+                self._status.error("discovery thread failed; serving the last known endpoints")
                 log.exception("kubernetes discovery failed; serving the last known endpoints")
         finally:
             self._client.close()
@@ -200,6 +207,7 @@ class KubernetesProvider:
                         return
                     self._count_error()
                     log.warning("endpointslice list failed error=%s", _describe(exc))
+                    self._status.error(f"list failed: {_describe(exc)}")
                     self._wait(self.backoff.next_delay(), "list failed")
                     continue
                 need_list = False
@@ -231,6 +239,7 @@ class KubernetesProvider:
                     self.backoff.reset()
                 rewatch_after_long_clean = False
                 log.warning("watch failed error=%s after_long_watch=%s", _describe(exc), long_)
+                self._status.error(f"watch failed: {_describe(exc)}")
                 self._wait(self.backoff.next_delay(), "watch failed")
                 continue
             if stop.is_set():
@@ -258,6 +267,7 @@ class KubernetesProvider:
         self._cache = cache
         self._rv = rv
         log.info("endpointslices listed slices=%d resource_version=%s", len(cache), rv)
+        self._status.event()
         self._publish()
 
     def _stream(self, client: KubeClient) -> None:
@@ -268,10 +278,13 @@ class KubernetesProvider:
         if self._stop.is_set():  # stop_and_join ran between the call and the registration
             stream.close()
         log.info("watch opened resource_version=%s timeout=%ss", self._rv, timeout)
+        self._status.watch_opened()
         try:
             for event in stream:
+                self._status.event()
                 self._apply(event)
         finally:
+            self._status.watch_closed()
             with self._stream_lock:
                 self._open_stream = None
             stream.release()
