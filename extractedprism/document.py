@@ -65,7 +65,9 @@ def upstream_entry(u: UpstreamView, wall: _Clock, sources: list[str] | None = No
         admin = {"action": u.admin.action, "uid": u.admin.uid, "at": wall(u.admin.at)}
     return {
         "address": u.address,
-        "source": list(u.sources) if u.sources else list(sources or []),
+        # Views carry their providers once discovery tracks them per upstream (issue 14);
+        # until then the App says which provider lists the address.
+        "source": list(getattr(u, "sources", ()) or sources or []),
         "state": u.state,
         "since": wall(u.since),
         "healthy": u.healthy,
