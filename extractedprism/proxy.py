@@ -429,6 +429,8 @@ class Proxy:
                 upstream, addr = self._panic_dial(tried)
                 if upstream is None:
                     log.info("no upstream available; closing client client=%s", client)
+                    if not self._stopping.is_set():
+                        reg.record_no_upstream()  # connection_errors_total{upstream="none"}
                     client_sock.close()
                     return
             else:
@@ -461,6 +463,7 @@ class Proxy:
     def _dial(self, ep: Endpoint, timeout: float, *, panic: bool = False
               ) -> socket.socket | None:
         addr = str(ep)
+        started = time.monotonic()
         try:
             sock = dial(ep, timeout)
         except OSError as exc:
@@ -473,10 +476,11 @@ class Proxy:
             # The spec counts no errors "when no upstream was available": panic-mode
             # attempts are exactly that case, and shutdown failures are not counted.
             self._registry.record_dial(addr, False, reason,
-                                       count_error=not (shutting_down or panic))
+                                       count_error=not (shutting_down or panic),
+                                       duration=time.monotonic() - started)
             log.info("dial failed upstream=%s reason=%r", addr, reason)
             return None
-        self._registry.record_dial(addr, True)
+        self._registry.record_dial(addr, True, duration=time.monotonic() - started)
         return sock
 
     def _panic_dial(self, tried: set[str]) -> tuple[socket.socket | None, str | None]:
