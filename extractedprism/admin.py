@@ -323,16 +323,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     p = sub.add_parser("drain", help="send no new connections to ADDR; existing ones stay")
     p.add_argument("address", metavar="ADDR", help="upstream host:port")
+    drain = p
     p = sub.add_parser("undrain", help="put ADDR back in service (it takes connections "
                                        "again once it is healthy)")
     p.add_argument("address", metavar="ADDR", help="upstream host:port")
+    undrain = p
     p = sub.add_parser("close", help="stop new connections to ADDR and close its existing "
                                      "ones spread over --drain-timeout")
     p.add_argument("--force", action="store_true",
                    help="close even when no other ready (readyz) / healthy (tcp) upstream "
                         "would be left")
     p.add_argument("address", metavar="ADDR", help="upstream host:port")
-    sub.add_parser("list", help="show every upstream with its state and admin action")
+    close = p
+    listing = sub.add_parser("list", help="show every upstream with its state and admin "
+                                          "action")
+    for p in (drain, undrain, close, listing):
+        # Also after the command (`admin drain --socket PATH ADDR`); SUPPRESS keeps the
+        # value given before the command when this one is absent.
+        p.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS,
+                       help=f"the proxy's admin socket (default: ${ENV_SOCKET})")
     return parser
 
 

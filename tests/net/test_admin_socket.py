@@ -262,6 +262,16 @@ def test_client_usage_errors_exit_2(sockdir: str, capsys: pytest.CaptureFixture[
     assert "give a command" in capsys.readouterr().err
 
 
+def test_socket_may_follow_the_command(
+        served: tuple[admin.AdminServer, StubTarget], capsys: pytest.CaptureFixture[str]
+) -> None:
+    server, target = served
+    assert admin.main(["close", "--socket", server.path, "127.0.0.1:6443", "--force"]) == 0
+    assert admin.main(["--socket", "/nonexistent", "list", "--socket", server.path]) == 0
+    assert admin.main(["--socket", server.path, "list"]) == 0
+    assert target.calls == [("close", "127.0.0.1:6443", os.getuid(), True)]
+
+
 def test_client_reads_the_socket_from_the_environment(
         served: tuple[admin.AdminServer, StubTarget], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
