@@ -34,6 +34,7 @@ from extractedprism.config import Config
 from extractedprism.discovery import DiscoveryStatus, DiscoveryView
 from extractedprism.document import ProcessInfo, upstreams_document
 from extractedprism.endpoints import Endpoint
+from extractedprism.errors import ListenError
 from extractedprism.httpd import HealthServer
 from extractedprism.merge import Merger
 from extractedprism.metrics import Metrics
@@ -58,9 +59,12 @@ CACHE = "cache"  # the provider name of the state file's endpoints
 
 
 class Heartbeat:
-    """Liveness: every --liveness-interval, confirm the registry lock can be taken and
-    the acceptor, ticker and discovery threads are alive and turning; /healthz fails
-    when the last confirmation is older than --liveness-threshold."""
+    """Liveness: every --liveness-interval, confirm what a restart would fix: the
+    registry lock can be taken, and the acceptor and the ticker make progress (checked
+    by their loop counters and clocks, not only ``is_alive()``). /healthz fails when the
+    last confirmation is older than --liveness-threshold. Discovery is not part of it:
+    provider failures are isolated (the watcher restarts itself) and the static
+    endpoints keep serving, so a restart of the pod would only cut every connection."""
 
     def __init__(self, app: App, *, interval: float, threshold: float, stop: threading.Event,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -148,13 +152,16 @@ class App:
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
-                           pipe_sched=config.pipe_sched)
+                           pipe_sched=config.pipe_sched, on_accept_loop=self._accept_turned)
         self.merger = Merger(self.registry.set_endpoints, self.metrics)
         self.discovery: KubernetesProvider | None = None
         self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
                                    threshold=config.liveness_threshold, stop=self.stop_event)
         self.health: HealthServer | None = None  # made in start(), after the proxy binds
         self.admin: AdminServer | None = None  # with --admin-socket, made in start()
+        self._accept_loops = 0
+        self._accept_seen = 0
+        self._accept_suspect: int | None = None
         self._offer: handover.Offer | None = None
         self._state_writer: statefile.StateWriter | None = None
         self._cache_in_use = False
@@ -226,7 +233,11 @@ class App:
                 log.warning("handover: the predecessor's proxy listener is on another "
                             "address; binding a new one address=%s", sock.getsockname())
                 sock.close()
-            self.proxy.bind()
+            try:
+                self.proxy.bind()
+            except OSError as exc:
+                raise ListenError("--bind-address/--bind-port", cfg.bind_address,
+                                  cfg.bind_port, exc) from exc
         sock = received.take("health") if received is not None else None
         if sock is not None and not handover.listener_matches(
                 sock, cfg.health_bind_address, cfg.health_port):
@@ -239,12 +250,13 @@ class App:
                                        host=cfg.health_bind_address, port=cfg.health_port,
                                        liveness_reason=self.liveness_reason, listener=sock,
                                        document=self.upstreams_document)
-        except OSError:
+        except OSError as exc:
             if "proxy" not in taken:  # a taken one is shared: never shut it down
                 self.proxy.close_listener()
             if self.proxy.listener is not None:
                 self.proxy.listener.close()
-            raise
+            raise ListenError("--health-bind-address/--health-port", cfg.health_bind_address,
+                              cfg.health_port, exc) from exc
         if sock is not None:
             taken.append("health")
         return taken
@@ -358,6 +370,11 @@ class App:
         if self._state_writer is not None:
             self._state_writer.save(endpoints)
 
+    def _accept_turned(self) -> None:
+        # The acceptor's progress counter (acceptor thread; one writer, read by the
+        # heartbeat: a plain int is enough).
+        self._accept_loops += 1
+
     # -- the operator's view --------------------------------------------------------------
 
     def _attach_ops_metrics(self) -> None:
@@ -405,13 +422,23 @@ class App:
         self.registry.lock.release()
         if not self.proxy.acceptor_alive() and not self.proxy.handed_over:
             return "acceptor thread exited"
+        # Idle, the acceptor blocks in accept() and its counter stands still; stuck, it
+        # also leaves clients in the backlog. A client that waited since the previous
+        # check without the loop turning means stuck (one check alone could race a
+        # client arriving just now).
+        loops, seen = self._accept_loops, self._accept_seen
+        self._accept_seen = loops
+        if self.proxy.backlog_waiting() and loops == seen:
+            if self._accept_suspect == loops:
+                return "acceptor not accepting: a client waits in the backlog"
+            self._accept_suspect = loops
+        else:
+            self._accept_suspect = None
         if not self.ticker.alive():
             return "ticker thread exited"
         age = time.monotonic() - self.ticker.last_loop
         if age > self.config.liveness_threshold:
             return f"ticker loop stalled for {age:.1f}s"
-        if self.discovery is not None and not self.discovery.is_healthy():
-            return "discovery thread exited"
         return ""
 
     def alive(self) -> bool:

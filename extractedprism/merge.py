@@ -55,11 +55,6 @@ class Merger:
             )
             self._apply(list(merged))
 
-    def current(self) -> list[Endpoint]:
-        """The list last applied (empty before the first apply)."""
-        with self._lock:
-            return list(self._applied or [])
-
     def _merge(self) -> list[Endpoint]:
         order = [STATIC] if STATIC in self._lists else []
         order += [p for p in self._lists if p != STATIC]

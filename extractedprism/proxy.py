@@ -19,6 +19,13 @@ the connection enters panic mode and tries every known upstream, most recently
 successful first, within one --health-timeout, because health checks can be wrong
 during a local blip and a refused kubelet is worse than a slow one.
 
+A connect proves only that the upstream's kernel is alive: a stopped (SIGSTOP) or
+wedged API server still completes handshakes from its backlog. So the client's first
+bytes (its TLS ClientHello) are read before the pipe starts and the upstream gets one
+dial timeout to answer them; a silent one counts as a failed dial and the same bytes
+go to the next upstream (nothing went back to the client yet, so the client cannot
+tell). Found against a real control plane (tests/controlplane, the SIGSTOP scenario).
+
 EMFILE/ENFILE on accept back off (up to 1 s) instead of spinning, and recover as soon
 as descriptors free up.
 
@@ -33,13 +40,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import select
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
 
-from extractedprism import sched
+from extractedprism import connlog, sched
 from extractedprism.endpoints import Endpoint, is_ip
 from extractedprism.pipe import Pipe, release_thread_resources
 from extractedprism.registry import Registry
@@ -50,11 +58,17 @@ log = logging.getLogger(__name__)
 PRESTART_THREADS = 64  # a node's usual clients (kubelet, proxies, CNI, daemons) without a spawn
 PIPE_IDLE_EXIT_S = 60.0  # pipe threads beyond PRESTART_THREADS idle this long exit
 PIPE_THREAD_STACK = 256 * 1024  # copy loops are shallow; the default 8 MiB is address space
+# The client's first bytes held for a possible re-dial: a TLS ClientHello is one record
+# (at most 16 KiB); anything past it stays in the socket for the pipe.
+FIRST_BYTES_MAX = 16 * 1024
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # How often a blocked accept() returns to look at the stop flags. Idle cost: one
 # wake-up per interval; no cost per connection.
 ACCEPT_WAKE_S = 0.25
 _RCVTIMEO = struct.pack("ll", 0, int(ACCEPT_WAKE_S * 1_000_000))
+# Failures that repeat once per client during an outage: first line, then summaries.
+_dial_failed = connlog.RateLimited(log, logging.INFO, "dial failed")
+_no_upstream = connlog.RateLimited(log, logging.INFO, "no upstream available; closing client")
 
 
 def _has_opts(sock: socket.socket) -> bool | None:
@@ -219,6 +233,19 @@ class Proxy:
 
     def acceptor_alive(self) -> bool:
         return self._acceptor is not None and self._acceptor.is_alive()
+
+    def backlog_waiting(self) -> bool:
+        """A client waits in the listen backlog (for the heartbeat: an idle acceptor
+        blocks in accept() with nothing waiting; a stuck one leaves clients there)."""
+        listener = self._listener
+        if listener is None:
+            return False
+        poller = select.poll()
+        try:
+            poller.register(listener, select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed meanwhile
+            return False
 
     def close_listener(self) -> None:
         """Stop accepting: wakes the acceptor out of accept(). Once handed over, the
@@ -422,23 +449,39 @@ class Proxy:
             apply_sockopts(client_sock)
         tried: set[str] = set()
         drain_retry = True
+        first: bytes | None = None  # the client's first bytes, once read (for a re-dial)
         reg = self._registry
+        debug = log.isEnabledFor(logging.DEBUG)  # per connection, never per byte
         while True:
+            t0 = time.monotonic() if debug else 0.0
             ep = reg.pick(exclude=tried)
             if ep is None:
                 upstream, addr = self._panic_dial(tried)
                 if upstream is None:
-                    log.info("no upstream available; closing client client=%s", client)
+                    _no_upstream(client=client)
                     if not self._stopping.is_set():
                         reg.record_no_upstream()  # connection_errors_total{upstream="none"}
                     client_sock.close()
                     return
+                if first:  # a silent upstream had them; nothing else left to judge by
+                    self._first_answer(client_sock, upstream, first)
             else:
                 addr = str(ep)
                 tried.add(addr)
                 upstream = self._dial(ep, self._dial_timeout)
                 if upstream is None:
                     reg.abandon(addr)
+                    continue
+                answered, first = self._first_answer(client_sock, upstream, first)
+                if not answered and reg.any_pickable(exclude=tried):
+                    # Connected, but silent: a frozen process whose kernel still
+                    # completes handshakes. Nothing went back to the client yet, so its
+                    # first bytes can go to the next upstream instead.
+                    upstream.close()
+                    reg.abandon(addr)
+                    reason = f"no answer within {self._dial_timeout:g}s of the client's first bytes"
+                    reg.record_dial(addr, False, reason, count_error=not self._stopping.is_set())
+                    log.info("dial failed upstream=%s reason=%r", addr, reason)
                     continue
             assert addr is not None
             pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
@@ -454,11 +497,67 @@ class Proxy:
                 client_sock.close()
                 return
             me.name = f"pipe-{client}->{addr}"
+            if debug:
+                connlog.opened(log, client, addr, time.monotonic() - t0)
+                t0 = time.monotonic()
             try:
                 pipe.run()
             finally:
                 reg.detach(addr, pipe)
+                if debug:
+                    connlog.closed(log, pipe, t0)
             return
+
+    def _first_answer(self, client: socket.socket, upstream: socket.socket,
+                      first: bytes | None) -> tuple[bool, bytes]:
+        """Hand the client's first bytes to a new upstream; did it answer within a dial timeout?
+
+        A TCP connect proves only that the upstream's kernel is alive: a stopped
+        (SIGSTOP) or wedged API server still completes handshakes from its backlog, and a
+        client's TLS handshake would then wait for its own timeout. The client speaks
+        first in TLS, so its first bytes (the ClientHello) are read here, sent on, and
+        the upstream gets one dial timeout to send anything back (or to close).
+
+        Returns (answered, first bytes). Not judged, so answered: the client sent
+        nothing within a dial timeout, or closed, or the upstream spoke first or failed
+        (the pipe passes the error on). ``first`` is what an earlier, silent upstream
+        got; it goes to this one as it is.
+        """
+        timeout_ms = max(1, int(self._dial_timeout * 1000))
+        cfd, ufd = client.fileno(), upstream.fileno()
+        if first is None:
+            poller = select.poll()
+            poller.register(cfd, select.POLLIN)
+            poller.register(ufd, select.POLLIN)
+            events = dict(poller.poll(timeout_ms))
+            if not events or ufd in events:
+                return True, b""
+            try:
+                first = client.recv(FIRST_BYTES_MAX, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return True, b""
+            except OSError:
+                return True, b""  # reset: the pipe sees it too
+            if not first:
+                return True, b""
+        deadline = time.monotonic() + self._dial_timeout
+        view = memoryview(first)
+        try:
+            while view:
+                try:
+                    view = view[upstream.send(view):]
+                except BlockingIOError:
+                    poller = select.poll()
+                    poller.register(ufd, select.POLLOUT)
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+                        return False, first
+        except OSError:
+            return True, first  # the pipe reports the upstream's error
+        poller = select.poll()
+        poller.register(ufd, select.POLLIN)
+        left = deadline - time.monotonic()
+        return bool(left > 0 and poller.poll(max(1, int(left * 1000)))), first
 
     def _dial(self, ep: Endpoint, timeout: float, *, panic: bool = False
               ) -> socket.socket | None:
@@ -478,7 +577,7 @@ class Proxy:
             self._registry.record_dial(addr, False, reason,
                                        count_error=not (shutting_down or panic),
                                        duration=time.monotonic() - started)
-            log.info("dial failed upstream=%s reason=%r", addr, reason)
+            _dial_failed(addr, upstream=addr, reason=reason)
             return None
         self._registry.record_dial(addr, True, duration=time.monotonic() - started)
         return sock

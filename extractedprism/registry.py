@@ -15,8 +15,8 @@ counters, the drain and readiness deadlines and the panic flag. Fields guarded b
 ``self.lock``: ``_ups`` (and everything in each record), ``_panic``, ``_conn_count``,
 ``_connections_total``, ``_closing``. Methods never do I/O, logging or callbacks while
 holding it: sockets to close, log lines and change notices are collected in an
-:class:`_Effects` under the lock and carried out after it is released, so a stalled
-log handler or a slow close never stalls a pick.
+:class:`~extractedprism.effects.Effects` under the lock and carried out after it is
+released, so a stalled log handler or a slow close never stalls a pick.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ from typing import Protocol
 
 from extractedprism import upstream as sm
 from extractedprism.dialstats import DialHistogram
+from extractedprism.effects import Change, Effects
 from extractedprism.endpoints import Endpoint
 from extractedprism.latency import LatencyTiers
 from extractedprism.selection import Candidate, choose
 from extractedprism.snapshot import AdminMark, ConnView, Snapshot, UpstreamView
-from extractedprism.upstream import ProbeResult, Readiness, Transition, UpstreamState
+from extractedprism.upstream import ProbeResult, Readiness, UpstreamState
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +52,6 @@ class Tracked(Protocol):
     bytes_down: int
 
     def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Change:
-    """What the registry tells its one listener (the ticker) after releasing the lock."""
-
-    what: str  # "endpoints" (list changed) | "health" (a dial flipped it) | "probe-now"
-    address: str = ""
 
 
 @dataclass
@@ -83,28 +76,6 @@ class _Record:
     connection_errors: int = 0
     bytes_up: int = 0  # of finished connections
     bytes_down: int = 0
-
-
-class _Effects:
-    """Side effects collected under the lock, run after it is released."""
-
-    __slots__ = ("changes", "close", "logs")
-
-    def __init__(self) -> None:
-        self.close: list[Tracked] = []
-        self.logs: list[tuple[int, str, tuple[object, ...]]] = []
-        self.changes: list[Change] = []
-
-    def log(self, level: int, msg: str, *args: object) -> None:
-        self.logs.append((level, msg, args))
-
-    def transitions(self, addr: str, transitions: Iterable[Transition]) -> None:
-        for t in transitions:
-            if t.kind == "check":
-                self.log(t.level, "upstream check failed upstream=%s reason=%r", addr, t.reason)
-            else:
-                self.log(t.level, "upstream %s->%s upstream=%s reason=%r", t.before, t.after,
-                         addr, t.reason)
 
 
 def _started(conn: Tracked) -> float:
@@ -144,25 +115,15 @@ class Registry:
         self._turned_away = 0
         self._closing = False
 
-    def _run(self, fx: _Effects) -> None:
-        """Carry out collected effects; called with the lock released."""
-        for conn in fx.close:
-            try:
-                conn.close()
-            except Exception:  # a close must never take a caller down
-                log.exception("closing connection failed client=%s", conn.client)
-        for level, msg, args in fx.logs:
-            log.log(level, msg, *args)
-        if self._on_change is not None:
-            for change in fx.changes:
-                self._on_change(change)
+    def _run(self, fx: Effects) -> None:
+        fx.run(log, self._on_change)
 
     # -- discovery ----------------------------------------------------------------
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         """Make ``endpoints`` the upstream list: add new ones, drain removed ones."""
         wanted = {str(ep): ep for ep in endpoints}
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             now = self._clock()
             for addr, ep in wanted.items():
@@ -260,7 +221,7 @@ class Registry:
         with self.lock:
             self._turned_away += 1
 
-    def _update_panic_locked(self, fx: _Effects) -> None:
+    def _update_panic_locked(self, fx: Effects) -> None:
         panic = bool(self._ups) and not any(r.state.pickable for r in self._ups.values())
         if panic != self._panic:
             self._panic = panic
@@ -274,7 +235,7 @@ class Registry:
 
     def record_probe(self, addr: str, result: ProbeResult) -> None:
         """Feed one health check (TCP, and readyz when enabled) into the state machine."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             rec = self._ups.get(addr)
             if rec is None or rec.state.lifecycle not in sm.TAKES_CHECKS:
@@ -316,7 +277,7 @@ class Registry:
             now = self._clock()
             if not ok:
                 rec.last_check_at = now
-            fx = _Effects()
+            fx = Effects()
             fx.transitions(addr, transitions)
             flipped = any(t.health_flipped for t in transitions)
             if flipped:
@@ -331,7 +292,7 @@ class Registry:
 
     # -- readiness-driven connection moves ----------------------------------------
 
-    def _update_readiness_deadlines_locked(self, now: float, fx: _Effects) -> None:
+    def _update_readiness_deadlines_locked(self, now: float, fx: Effects) -> None:
         if not self._readyz:
             return
         ready_addrs = {a for a, r in self._ups.items() if r.state.pickable and r.state.ready}
@@ -350,7 +311,7 @@ class Registry:
                        "reason=%r", addr, what)
 
     @staticmethod
-    def _close_conns_locked(addr: str, rec: _Record, fx: _Effects) -> None:
+    def _close_conns_locked(addr: str, rec: _Record, fx: Effects) -> None:
         conns = list(rec.conns.values())
         if conns:
             fx.log(logging.INFO, "closing connections upstream=%s connections=%d reason=%r",
@@ -360,7 +321,7 @@ class Registry:
 
     def tick(self) -> float | None:
         """Expire drain and readiness deadlines; return the next deadline, if any."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             now = self._clock()
             for addr, rec in list(self._ups.items()):
@@ -398,7 +359,7 @@ class Registry:
             rec.close_plan = []
         return rec
 
-    def _admin_settle_locked(self, now: float, fx: _Effects, addr: str) -> None:
+    def _admin_settle_locked(self, now: float, fx: Effects, addr: str) -> None:
         # The set of pickable (and ready) upstreams changed: readiness closes elsewhere
         # may start or be called off, panic may begin or end.
         self._update_readiness_deadlines_locked(now, fx)
@@ -408,7 +369,7 @@ class Registry:
 
     def admin_drain(self, addr: str, uid: int) -> tuple[int, str]:
         """No new connections to ``addr``; existing ones stay. (code, message)."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             now = self._clock()
             rec = self._ups.get(addr)
@@ -428,7 +389,7 @@ class Registry:
 
     def admin_undrain(self, addr: str, uid: int) -> tuple[int, str]:
         """Back in service: it takes new connections whenever it is healthy."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             now = self._clock()
             rec = self._ups.get(addr)
@@ -454,7 +415,7 @@ class Registry:
         """No new connections to ``addr``, and its connections closed spread over
         --drain-timeout; refused (code 1) when no other ready (readyz) / healthy (tcp)
         upstream would be left, unless ``force``."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             now = self._clock()
             rec = self._ups.get(addr)
@@ -485,7 +446,7 @@ class Registry:
                    f"spread over {max(0.0, self._drain_timeout):g}s{left}")
 
     @staticmethod
-    def _run_close_plan_locked(addr: str, rec: _Record, now: float, fx: _Effects) -> None:
+    def _run_close_plan_locked(addr: str, rec: _Record, now: float, fx: Effects) -> None:
         while rec.close_plan and rec.close_plan[0][0] <= now:
             _, conn_id = rec.close_plan.pop(0)
             conn = rec.conns.get(conn_id)
@@ -525,7 +486,7 @@ class Registry:
 
     def close_all(self) -> int:
         """Shutdown: refuse new attaches and force-close every live connection."""
-        fx = _Effects()
+        fx = Effects()
         with self.lock:
             self._closing = True
             fx.close = [c for r in self._ups.values() for c in r.conns.values()]

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import trustme
 
 from extractedprism.app import App
 from extractedprism.config import Config
@@ -152,3 +153,10 @@ def servers() -> Iterator[Callable[..., list[IdentityServer]]]:
     yield factory
     for s in made:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    """A run-time CA that signs the fake upstreams' serving certificates (one a module)."""
+    return trustme.CA()
+
