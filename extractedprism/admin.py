@@ -260,7 +260,8 @@ class AdminServer:
         else:
             code, message = self._target.admin_close(address, uid, force=force)
         result = {OK: "done", REFUSED: "refused"}.get(code, "failed")
-        log.info("admin action=%s upstream=%s uid=%d pid=%d force=%s result=%s reason=%r",
+        log.info("admin request action=%s upstream=%s uid=%d pid=%d force=%s result=%s "
+                 "reason=%r",
                  command, address, uid, pid, force, result, message)
         return {"code": code, "message": message}
 

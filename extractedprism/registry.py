@@ -442,7 +442,7 @@ class Registry:
             self._admin_settle_locked(now, fx, addr)
         self._run(fx)
         left = "" if others else f"; no other {kind} upstream is left (--force)"
-        return 0, (f"closing {addr}: no new connections; {len(ids)} connection(s) closed "
+        return 0, (f"closing {addr}: no new connections; its {len(ids)} connection(s) close "
                    f"spread over {max(0.0, self._drain_timeout):g}s{left}")
 
     @staticmethod
