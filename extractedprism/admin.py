@@ -106,10 +106,11 @@ class AdminServer:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise OSError(f"cannot create {where}: directory {parent} does not exist")
+        if len(os.fsencode(path)) > _SUN_PATH_MAX:
+            raise OSError(f"cannot create {where}: the path is too long for a unix socket "
+                          f"({len(os.fsencode(path))} bytes, at most {_SUN_PATH_MAX})")
         self._clear_stale(where)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        tmp = _temporary_name(parent, os.path.basename(path))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(tmp)
@@ -264,6 +265,29 @@ class AdminServer:
                  "reason=%r",
                  command, address, uid, pid, force, result, message)
         return {"code": code, "message": message}
+
+
+_SUN_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL
+
+
+def _temporary_name(parent: str, base: str) -> str:
+    """A free name beside the socket to bind under, no longer than the socket's own
+    path allows; a leftover socket of ours (a killed start) is removed, nothing else."""
+    pid = os.getpid()
+    for name in (f".{base}.{pid}.tmp", f".ep{pid}", f".ep{pid}x"):
+        tmp = os.path.join(parent, name)
+        if len(os.fsencode(tmp)) > _SUN_PATH_MAX:
+            continue
+        try:
+            st = os.lstat(tmp)
+        except FileNotFoundError:
+            return tmp
+        if stat.S_ISSOCK(st.st_mode):
+            os.unlink(tmp)
+            return tmp
+    raise OSError(f"cannot create --admin-socket {os.path.join(parent, base)}: no free "
+                  "temporary name beside it (or the path is too long for a unix socket, "
+                  f"{_SUN_PATH_MAX} bytes)")
 
 
 def _read_line(conn: socket.socket, deadline: float) -> bytes:

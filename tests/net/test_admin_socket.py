@@ -137,6 +137,20 @@ def test_a_live_socket_or_a_regular_file_is_not_taken_over(
                           listing).bind()
 
 
+def test_a_path_near_the_unix_limit_still_works_and_a_longer_one_is_named(sockdir: str
+                                                                         ) -> None:
+    room = 107 - len(os.fsencode(sockdir)) - 1
+    path = os.path.join(sockdir, "a" * room)  # exactly the longest a unix socket takes
+    server = admin.AdminServer(path, StubTarget([]), listing)
+    server.start()
+    try:
+        assert raw_request(path, b'{"command": "list"}\n')["code"] == 0
+    finally:
+        server.stop()
+    with pytest.raises(OSError, match=r"--admin-socket .*too long"):
+        admin.AdminServer(path + "a", StubTarget([]), listing).bind()
+
+
 def test_peer_credentials_are_this_process() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b:
