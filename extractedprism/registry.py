@@ -225,7 +225,13 @@ class Registry:
         panic = bool(self._ups) and not any(r.state.pickable for r in self._ups.values())
         if panic != self._panic:
             self._panic = panic
-            if panic:
+            drained = sum(1 for r in self._ups.values() if r.state.admin_drained)
+            if panic and drained:
+                # An operator's drain is kept even in panic: those are not tried.
+                fx.log(logging.WARNING, "panic: no upstream is pickable; new connections try "
+                       "every known upstream an operator has not drained upstreams=%d "
+                       "admin_drained=%d", len(self._ups), drained)
+            elif panic:
                 fx.log(logging.WARNING, "panic: no upstream is healthy; new connections try "
                        "every known upstream upstreams=%d", len(self._ups))
             else:
