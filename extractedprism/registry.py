@@ -564,7 +564,7 @@ def _last_success(rec: _Record) -> float:
 
 
 def _draining_reason(rec: _Record) -> str | None:
-    if rec.state.draining:
+    if rec.state.lifecycle is sm.Lifecycle.DRAINING:
         return "removed"
     if rec.state.admin_drained:
         return "admin"
@@ -575,7 +575,8 @@ def _draining_reason(rec: _Record) -> str | None:
 
 def _close_deadline(rec: _Record) -> float | None:
     """When its remaining connections will all have been closed, if that is scheduled."""
-    times = [t for t in (rec.drain_deadline if rec.state.draining else None,
+    times = [t for t in (rec.drain_deadline if rec.state.lifecycle is sm.Lifecycle.DRAINING
+                         else None,
                          rec.unready_deadline,
                          rec.close_plan[-1][0] if rec.close_plan else None) if t is not None]
     return min(times) if times else None

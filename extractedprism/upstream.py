@@ -255,8 +255,8 @@ def admin_set(s: UpstreamState, action: str) -> UpstreamState:
 def state_word(s: UpstreamState, *, closing_unready: bool) -> str:
     """The one word /upstreams and `status` show: what happens to new connections and
     to the existing ones, most consequential first."""
-    if s.lifecycle is Lifecycle.DRAINING:
-        return "draining"
+    if s.lifecycle is not Lifecycle.ACTIVE:
+        return s.lifecycle.value  # "draining" (removed from the endpoint list), ...
     if s.admin:
         return "admin-drain"
     if closing_unready:
