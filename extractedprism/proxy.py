@@ -494,6 +494,8 @@ class Proxy:
                     tried.add(addr)
                     if reg.any_pickable(exclude=tried):
                         continue
+                if not reg.closing:  # its upstream drained away, and no other was left
+                    reg.record_no_upstream()
                 client_sock.close()
                 return
             me.name = f"pipe-{client}->{addr}"
