@@ -39,6 +39,7 @@ class Candidate:
     tier: int | None  # latency tier, None = no sample yet
     active: int  # live connections
     fallback: bool = False  # --static-endpoints=fallback demoted it: panic mode only
+    admin_drained: bool = False  # an operator's drain or close: no new connections
 
 
 def choose(candidates: Sequence[Candidate], *, mode: str, readyz: bool, rng: random.Random,
