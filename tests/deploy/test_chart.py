@@ -54,6 +54,8 @@ NON_DEFAULTS: dict[str, Any] = {
     "kubeconfig": "/etc/extractedprism/kubeconfig",
     "max-connections": 1000000,
     "pipe-sched": "normal",
+    "log-format": "json",
+    "admin-socket": "/run/extractedprism/admin.sock",
 }
 
 

@@ -121,6 +121,8 @@ health-check-server-name: healthCheckServerName
 kubeconfig: kubeconfig
 max-connections: maxConnections
 pipe-sched: pipeSched
+log-format: logFormat
+admin-socket: adminSocket
 {{- end -}}
 
 {{/* Integer-valued keys: printed as whole numbers even when values arrive as floats (JSON). */}}
