@@ -9,6 +9,7 @@ is opened, listing every problem.
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import logging
 import os
 import resource
@@ -25,6 +26,19 @@ from extractedprism.config import FLAGS, Config, ConfigError, validate
 from extractedprism.logsetup import setup_logging
 
 log = logging.getLogger("extractedprism")
+
+# `extractedprism NAME ...` runs another tool of the same entry point (one image, one
+# binary: `kubectl exec ... extractedprism admin list` works in the distroless image).
+# Each lives in its own module; its function takes the arguments after NAME and returns
+# the exit status.
+SUBCOMMANDS: dict[str, str] = {
+    "static-pod": "extractedprism.staticpod:main",
+}
+
+
+def run_subcommand(name: str, argv: Sequence[str]) -> int:
+    module, func = SUBCOMMANDS[name].split(":")
+    return int(getattr(importlib.import_module(module), func)(list(argv)))
 
 
 def build_parser() -> configargparse.ArgumentParser:
@@ -107,8 +121,11 @@ def dump_threads(_signum: int = 0, _frame: object = None, file: object = None) -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS:
+        return run_subcommand(args[0], args[1:])
     try:
-        config = parse_config(argv)
+        config = parse_config(args)
     except ConfigError as exc:
         print("extractedprism: invalid configuration:", file=sys.stderr)
         for problem in exc.problems:
