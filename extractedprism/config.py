@@ -1,19 +1,33 @@
 """Configuration: one declarative flag table -> configargparse -> validate() -> Config (pure).
 
-Every flag is one :class:`Flag` row (name, EP_ env var, kind, default, help), so the
-command line, the environment, the defaults, ``--help`` and the chart cannot drift
-apart. argparse only collects strings; :func:`validate` converts and checks them all
-and reports *every* problem at once, each naming the flag and the offending value.
+Every flag is one :class:`Flag` row: name (and from it the option and the EP_ env var),
+kind (which converter turns the string into a value), default, help, and the checks
+that value must pass. Rules that tie two or more flags together are rows of
+:data:`RULES`. :func:`validate` only walks the two tables, so a flag added as a row is
+converted, checked, shown in ``--help`` and bound to its env var by construction, and
+nothing can skip validation. Every problem is reported at once, each naming the flag
+and the offending value.
+
+Adding a flag: one ``Flag(...)`` row in :data:`FLAGS` (with its ``checks``), one field
+of :class:`Config` with the same default, and, if it depends on another flag, a
+``Rule(...)`` row in :data:`RULES`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from extractedprism.endpoints import Endpoint, is_valid_host, parse_endpoint_list
+from extractedprism.parsing import format_duration, parse_bool, parse_duration
+
+__all__ = [
+    "FLAGS", "FLAG_BY_NAME", "HEALTH_CHECKS", "KINDS", "LOG_LEVELS", "PIPE_SCHED_POLICIES",
+    "RULES", "SELECTION_MODES", "Check", "Config", "ConfigError", "Flag", "Rule",
+    "format_duration", "parse_bool", "parse_duration", "validate",
+]
 
 LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
 SELECTION_MODES = ("random", "latency", "least-conn")
@@ -29,66 +43,67 @@ class ConfigError(ValueError):
         self.problems = list(problems)
 
 
-# --- durations ---------------------------------------------------------------
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+# --- checks: one value, one rule ----------------------------------------------
 
 
-def parse_duration(text: str) -> float:
-    """Go-style duration (``20s``, ``500ms``, ``1m30s``, ``-1s``) or bare seconds -> seconds."""
-    raw = text.strip()
-    if not raw:
-        raise ValueError("empty duration")
-    try:
-        return float(raw)
-    except ValueError:
-        pass
-    sign = 1.0
-    body = raw
-    if body[0] in "+-":
-        sign = -1.0 if body[0] == "-" else 1.0
-        body = body[1:]
-    pos, total = 0, 0.0
-    while pos < len(body):
-        m = _DURATION_PART.match(body, pos)
-        if not m:
-            raise ValueError(f"{text!r} is not a duration (examples: 20s, 500ms, 1m30s)")
-        total += float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
-        pos = m.end()
-    if pos == 0:
-        raise ValueError(f"{text!r} is not a duration (examples: 20s, 500ms, 1m30s)")
-    return sign * total
+@dataclass(frozen=True)
+class Check:
+    """A rule for one flag's converted value; ``text`` is the message after the flag."""
+
+    ok: Callable[[Any], bool]
+    text: str
 
 
-def format_duration(seconds: float) -> str:
-    """Seconds -> Go-style text, so messages echo what an operator would have typed."""
-    if seconds == 0:
-        return "0s"
-    sign = "-" if seconds < 0 else ""
-    s = abs(seconds)
-    if s < 1:
-        ms = s * 1000
-        return f"{sign}{ms:g}ms"
-    hours, rem = divmod(s, 3600)
-    minutes, secs = divmod(rem, 60)
-    out = ""
-    if hours:
-        out += f"{int(hours)}h"
-    if minutes:
-        out += f"{int(minutes)}m"
-    if secs or not out:
-        out += f"{round(secs, 6):g}s"
-    return sign + out
+def _at_least(lo: float, text: str) -> Check:
+    return Check(lambda v: v >= lo, text)
 
 
-def parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "y", "on", "t"):
-        return True
-    if value in ("false", "0", "no", "n", "off", "f"):
-        return False
-    raise ValueError(f"{text!r} is not a boolean (use true/false, 1/0, yes/no)")
+PORT = Check(lambda v: 1 <= v <= 65535, "must be in the range 1-65535")
+AT_LEAST_1S = _at_least(1.0, "must be at least 1s")
+NOT_NEGATIVE = _at_least(0.0, "must not be negative")
+AT_LEAST_1 = _at_least(1, "must be at least 1")
+HOST = Check(is_valid_host, "must be a valid IP address or RFC 1123 hostname")
+NOT_EMPTY = Check(bool, "must not be empty")
+
+
+# --- kinds: string -> value ----------------------------------------------------
+
+
+def _to_int(flag: Flag, value: str) -> int:
+    text = value.strip()
+    if not text.lstrip("-").isdigit():
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(text)
+
+
+def _to_choice(flag: Flag, value: str) -> str:
+    # Exact, as the spec lists them: "DEBUG" or " info" are typos worth reporting.
+    if value not in flag.choices:
+        raise ValueError(f"must be one of {', '.join(flag.choices)}")
+    return value
+
+
+def _to_endpoints(flag: Flag, value: str) -> tuple[Endpoint, ...]:
+    endpoints, problems = parse_endpoint_list(value)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return tuple(endpoints)
+
+
+def _to_path(flag: Flag, value: str) -> str:
+    # A path of spaces is as unset as an empty one (a template's blank value, say).
+    return value if value.strip() else ""
+
+
+KINDS: dict[str, Callable[[Flag, str], object]] = {
+    "str": lambda flag, value: value.strip(),
+    "int": _to_int,
+    "duration": lambda flag, value: parse_duration(value),
+    "bool": lambda flag, value: parse_bool(value),
+    "choice": _to_choice,
+    "endpoints": _to_endpoints,
+    "path": _to_path,
+}
 
 
 # --- the flag table ----------------------------------------------------------
@@ -97,10 +112,19 @@ def parse_bool(text: str) -> bool:
 @dataclass(frozen=True)
 class Flag:
     name: str  # without leading dashes
-    kind: str  # str | int | duration | bool | choice | endpoints | path
+    kind: str  # a key of KINDS
     default: str | None
     help: str
     choices: tuple[str, ...] = ()
+    checks: tuple[Check, ...] = ()
+    # Unset (or blank) takes the converted value of this other flag, unchecked again.
+    same_as: str = ""
+    # Unset (or blank) is this error instead of a default.
+    required: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"flag {self.name}: unknown kind {self.kind!r}")
 
     @property
     def option(self) -> str:
@@ -114,28 +138,45 @@ class Flag:
     def dest(self) -> str:
         return self.name.replace("-", "_")
 
+    @property
+    def rules(self) -> tuple[str, ...]:
+        """The checks in words, for --help and docs."""
+        return tuple(c.text for c in self.checks)
+
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("bind-address", "str", "127.0.0.1", "Address for the TCP load balancer listener"),
-    Flag("bind-port", "int", "7445", "Port for the TCP load balancer listener"),
-    Flag("health-port", "int", "7446", "Port for the health check HTTP server"),
+    Flag("bind-address", "str", "127.0.0.1", "Address for the TCP load balancer listener",
+         checks=(HOST,)),
+    Flag("bind-port", "int", "7445", "Port for the TCP load balancer listener",
+         checks=(PORT,)),
+    Flag("health-port", "int", "7446", "Port for the health check HTTP server",
+         checks=(PORT,)),
     Flag(
         "health-bind-address",
         "str",
         None,
         "Address for the health check HTTP server (default: same as --bind-address)",
+        checks=(HOST,),
+        same_as="bind-address",
     ),
-    Flag("endpoints", "endpoints", None, "Comma-separated API server endpoints (host:port)"),
-    Flag("health-interval", "duration", "20s", "Interval between upstream health checks"),
-    Flag("health-timeout", "duration", "15s", "Timeout for each upstream health check"),
+    Flag("endpoints", "endpoints", None, "Comma-separated API server endpoints (host:port)",
+         checks=(NOT_EMPTY,),
+         required="--endpoints is required: give a comma-separated list of API server "
+         "host:port pairs"),
+    Flag("health-interval", "duration", "20s", "Interval between upstream health checks",
+         checks=(AT_LEAST_1S,)),
+    Flag("health-timeout", "duration", "15s", "Timeout for each upstream health check",
+         checks=(AT_LEAST_1S,)),
     Flag("enable-discovery", "bool", "true", "Enable Kubernetes EndpointSlice discovery"),
     Flag("log-level", "choice", "info", "Log level", LOG_LEVELS),
-    Flag("liveness-interval", "duration", "5s", "Heartbeat probe interval for liveness detection"),
+    Flag("liveness-interval", "duration", "5s", "Heartbeat probe interval for liveness detection",
+         checks=(AT_LEAST_1S,)),
     Flag(
         "liveness-threshold",
         "duration",
         "15s",
         "Maximum time since last heartbeat before liveness fails",
+        checks=(AT_LEAST_1S,),
     ),
     Flag(
         "drain-timeout",
@@ -143,6 +184,7 @@ FLAGS: tuple[Flag, ...] = (
         "30s",
         "Grace period for connections to removed endpoints, and with readyz to unready ones "
         "while another upstream is ready, before force close (0 closes immediately)",
+        checks=(NOT_NEGATIVE,),
     ),
     Flag(
         "upstream-selection",
@@ -179,6 +221,7 @@ FLAGS: tuple[Flag, ...] = (
         "str",
         "kubernetes.default.svc",
         "Name the upstream serving certificates are verified against",
+        checks=(NOT_EMPTY,),
     ),
     Flag(
         "kubeconfig",
@@ -191,6 +234,7 @@ FLAGS: tuple[Flag, ...] = (
         "int",
         "4096",
         "Maximum concurrent proxied connections; at the limit new clients wait in the backlog",
+        checks=(AT_LEAST_1,),
     ),
     Flag(
         "pipe-sched",
@@ -204,6 +248,73 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
+
+
+# --- cross-field rules -----------------------------------------------------------
+
+# ``Rule.message(values, show)``: ``values`` holds every converted value by dest,
+# ``show(dest)`` renders "--flag (raw value)"; return the problem, or None.
+Message = Callable[[Mapping[str, Any], Callable[[str], str]], "str | None"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule over several flags, checked when all of ``fields`` converted."""
+
+    fields: tuple[str, ...]  # dests
+    text: str  # the rule as the spec words it
+    message: Message
+
+
+def _ports_differ(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    if v["bind_port"] != v["health_port"]:
+        return None
+    return f"{show('bind_port')} and {show('health_port')} must differ"
+
+
+def _timeout_below_interval(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    if v["health_timeout"] < v["health_interval"]:
+        return None
+    return f"{show('health_timeout')} must be less than {show('health_interval')}"
+
+
+def _threshold_above_interval(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    if v["liveness_threshold"] > v["liveness_interval"]:
+        return None
+    return f"{show('liveness_threshold')} must be greater than {show('liveness_interval')}"
+
+
+def _readyz_needs_ca(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    if v["health_check"] != "readyz" or v["health_check_ca_file"]:
+        return None
+    return "--health-check=readyz requires --health-check-ca-file"
+
+
+def _cert_and_key(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    cert, key = v["health_check_cert_file"], v["health_check_key_file"]
+    if bool(cert) == bool(key):
+        return None
+    given, missing = ("--health-check-cert-file", "--health-check-key-file")
+    if not cert:
+        given, missing = missing, given
+    return ("--health-check-cert-file and --health-check-key-file must be set together "
+            f"({given} is set, {missing} is not)")
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("bind_port", "health_port"), "--bind-port and --health-port must differ",
+         _ports_differ),
+    Rule(("health_timeout", "health_interval"),
+         "--health-timeout must be less than --health-interval", _timeout_below_interval),
+    Rule(("liveness_threshold", "liveness_interval"),
+         "--liveness-threshold must be greater than --liveness-interval",
+         _threshold_above_interval),
+    Rule(("health_check", "health_check_ca_file"), "readyz requires --health-check-ca-file",
+         _readyz_needs_ca),
+    Rule(("health_check_cert_file", "health_check_key_file"),
+         "--health-check-cert-file and --health-check-key-file must be set together",
+         _cert_and_key),
+)
 
 
 # --- the validated configuration ---------------------------------------------
@@ -242,126 +353,56 @@ class Config:
 
 
 def _show(flag: Flag, raw: str) -> str:
-    return f"{flag.option} ({raw})"
+    return f"{flag.option} ({raw})" if raw.strip() else flag.option
 
 
-def validate(values: dict[str, str | None]) -> Config:
+def validate(values: Mapping[str, str | None]) -> Config:
     """Convert and check raw flag strings (keyed by dest); raise ConfigError with all problems.
 
-    Cross-field rules are checked only when both fields converted, so one bad value
-    yields one message instead of a cascade.
+    A flag whose value does not convert yields one message and is left out of every
+    rule, so one bad value never cascades into several messages.
     """
     problems: list[str] = []
     out: dict[str, object] = {}
     raw: dict[str, str] = {}
+    derived: list[Flag] = []
 
     for flag in FLAGS:
         value = values.get(flag.dest)
-        if value is None:
+        if value is None or (not value.strip() and (flag.same_as or flag.required)):
+            if flag.same_as:
+                derived.append(flag)
+                continue
+            if flag.required:
+                problems.append(flag.required)
+                continue
             value = flag.default
         if value is None:
             continue
         raw[flag.dest] = value
         try:
-            out[flag.dest] = _convert(flag, value)
+            converted = KINDS[flag.kind](flag, value)
         except ValueError as exc:
             problems.append(f"{_show(flag, value)} is invalid: {exc}")
+            continue
+        out[flag.dest] = converted
+        problems.extend(f"{_show(flag, value)} {c.text}" for c in flag.checks
+                        if not c.ok(converted))
 
-    def have(*names: str) -> bool:
-        return all(n in out for n in names)
+    for flag in derived:
+        source = FLAG_BY_NAME[flag.same_as].dest
+        if source in out:  # a bad source was reported once, under its own name
+            out[flag.dest], raw[flag.dest] = out[source], raw[source]
 
-    def p(name: str) -> str:
-        return _show(FLAG_BY_NAME[name.replace("_", "-")], raw[name])
+    def show(dest: str) -> str:
+        return _show(FLAG_BY_NAME[dest.replace("_", "-")], raw[dest])
 
-    # Addresses.
-    if "health_bind_address" not in raw and "bind_address" in raw:
-        raw["health_bind_address"] = raw["bind_address"]
-        out["health_bind_address"] = out.get("bind_address", raw["bind_address"])
-    for name in ("bind_address", "health_bind_address"):
-        if have(name) and not is_valid_host(str(out[name])):
-            problems.append(f"{p(name)} must be a valid IP address or RFC 1123 hostname")
-
-    # Endpoints.
-    if "endpoints" not in raw or not raw["endpoints"].strip():
-        problems.append(
-            "--endpoints is required: give a comma-separated list of API server host:port pairs"
-        )
-    elif have("endpoints") and not out["endpoints"]:
-        problems.append(f"{p('endpoints')} must not be empty")
-
-    # Ports.
-    for name in ("bind_port", "health_port"):
-        if have(name) and not 1 <= int(out[name]) <= 65535:  # type: ignore[call-overload]
-            problems.append(f"{p(name)} must be in the range 1-65535")
-    if have("bind_port", "health_port") and out["bind_port"] == out["health_port"]:
-        problems.append(f"{p('bind_port')} and {p('health_port')} must differ")
-
-    # Durations.
-    for name in ("health_interval", "health_timeout", "liveness_interval", "liveness_threshold"):
-        if have(name) and float(out[name]) < 1.0:  # type: ignore[arg-type]
-            problems.append(f"{p(name)} must be at least 1s")
-    if have("health_interval", "health_timeout") and float(out["health_timeout"]) >= float(  # type: ignore[arg-type]
-        out["health_interval"]  # type: ignore[arg-type]
-    ):
-        problems.append(f"{p('health_timeout')} must be less than {p('health_interval')}")
-    if have("liveness_interval", "liveness_threshold") and float(
-        out["liveness_threshold"]  # type: ignore[arg-type]
-    ) <= float(out["liveness_interval"]):  # type: ignore[arg-type]
-        problems.append(f"{p('liveness_threshold')} must be greater than {p('liveness_interval')}")
-    if have("drain_timeout") and float(out["drain_timeout"]) < 0:  # type: ignore[arg-type]
-        problems.append(f"{p('drain_timeout')} must not be negative")
-
-    # Modes and TLS.
-    # A path of spaces is as unset as an empty one (a template's blank value, say).
-    for name in ("health_check_ca_file", "health_check_cert_file", "health_check_key_file",
-                 "health_check_token_file"):
-        if name in out and not str(out[name]).strip():
-            out[name] = ""
-    if have("health_check") and out["health_check"] == "readyz" and not out.get(
-        "health_check_ca_file"
-    ):
-        problems.append("--health-check=readyz requires --health-check-ca-file")
-    cert, key = out.get("health_check_cert_file"), out.get("health_check_key_file")
-    if bool(cert) != bool(key):
-        given, missing = (
-            ("--health-check-cert-file", "--health-check-key-file")
-            if cert
-            else ("--health-check-key-file", "--health-check-cert-file")
-        )
-        problems.append(
-            "--health-check-cert-file and --health-check-key-file must be set together "
-            f"({given} is set, {missing} is not)"
-        )
-    if have("health_check_server_name") and not str(out["health_check_server_name"]).strip():
-        problems.append("--health-check-server-name must not be empty")
-    if have("max_connections") and int(out["max_connections"]) < 1:  # type: ignore[call-overload]
-        problems.append(f"{p('max_connections')} must be at least 1")
+    for rule in RULES:
+        if all(f in out for f in rule.fields):
+            problem = rule.message(out, show)
+            if problem:
+                problems.append(problem)
 
     if problems:
         raise ConfigError(problems)
-    out["endpoints"] = tuple(out["endpoints"])  # type: ignore[arg-type]
     return Config(**out)  # type: ignore[arg-type]
-
-
-def _convert(flag: Flag, value: str) -> object:
-    if flag.kind == "int":
-        text = value.strip()
-        if not text.lstrip("-").isdigit():
-            raise ValueError(f"{value!r} is not a whole number")
-        return int(text)
-    if flag.kind == "duration":
-        return parse_duration(value)
-    if flag.kind == "bool":
-        return parse_bool(value)
-    if flag.kind == "choice":
-        # Exact, as the spec lists them: "DEBUG" or " info" are typos worth reporting.
-        text = value
-        if text not in flag.choices:
-            raise ValueError(f"must be one of {', '.join(flag.choices)}")
-        return text
-    if flag.kind == "endpoints":
-        endpoints, problems = parse_endpoint_list(value)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return endpoints
-    return value.strip() if flag.kind == "str" else value

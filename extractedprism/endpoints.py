@@ -33,9 +33,19 @@ def is_rfc1123_hostname(text: str) -> bool:
     return bool(name) and all(_LABEL.match(label) for label in name.split("."))
 
 
+def looks_numeric(name: str) -> bool:
+    """True when the top label is all digits: "10.0.0.256", "1.2.3", "167772161".
+
+    RFC 1123 2.1: a host name never has the dotted-decimal form, since its highest-level
+    label is alphabetic. Such a name is a mistyped address, and the resolver
+    (inet_aton) would read "1.2.3" or "167772161" as one anyway.
+    """
+    return name.rstrip(".").rsplit(".", 1)[-1].isdigit()
+
+
 def is_valid_host(text: str) -> bool:
     """True for an IP address (v4 or v6, without brackets) or an RFC 1123 hostname."""
-    return is_ip(text) or is_rfc1123_hostname(text)
+    return is_ip(text) or (is_rfc1123_hostname(text) and not looks_numeric(text))
 
 
 @dataclass(frozen=True, order=True)

@@ -43,6 +43,18 @@ def test_env_vars_are_read_and_validated():
     assert "--health-check=readyz requires --health-check-ca-file" in res.stderr
 
 
+def test_env_non_finite_durations_and_numeric_hosts_exit_2_naming_flag_and_value():
+    res = run_cli(env={"EP_ENDPOINTS": "10.0.0.256:6443", "EP_HEALTH_INTERVAL": "nan",
+                       "EP_DRAIN_TIMEOUT": "inf", "EP_BIND_ADDRESS": "bad_host!",
+                       "EP_HEALTH_BIND_ADDRESS": "", "EP_ENABLE_DISCOVERY": "false"})
+    assert res.returncode == 2, res.stderr
+    assert "--health-interval (nan) is invalid" in res.stderr
+    assert "--drain-timeout (inf) is invalid" in res.stderr
+    assert "host '10.0.0.256' is not an IP address" in res.stderr
+    assert res.stderr.count("must be a valid IP address") == 1  # --bind-address only
+    assert "Traceback" not in res.stderr
+
+
 def test_missing_endpoints_is_an_error():
     res = run_cli()
     assert res.returncode == 2

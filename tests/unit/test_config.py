@@ -166,3 +166,79 @@ def test_blank_credential_paths_count_as_unset():
                   "health_check_key_file": "\t"})
     assert (c.health_check_token_file, c.health_check_cert_file,
             c.health_check_key_file) == ("", "", "")
+
+
+# --- issue 12, item 2 -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["health_interval", "health_timeout", "liveness_interval",
+                                   "liveness_threshold", "drain_timeout"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", "infinity", "1e400"])
+def test_non_finite_durations_are_rejected_naming_flag_and_value(field, value):
+    option = "--" + field.replace("_", "-")
+    found = problems(**{field: value})
+    assert any(p.startswith(f"{option} ({value}) is invalid") and "finite" in p
+               for p in found), found
+
+
+def test_durations_too_long_to_wait_for_are_rejected():
+    # Event.wait() raises OverflowError past threading.TIMEOUT_MAX: an exit-2 message,
+    # not a traceback in the heartbeat thread.
+    found = problems(liveness_interval="1e300", liveness_threshold="2e300")
+    assert any(p.startswith("--liveness-interval (1e300) is invalid") for p in found), found
+
+
+def test_blank_health_bind_address_means_same_as_bind_address():
+    assert validate({**OK, "health_bind_address": ""}).health_bind_address == "127.0.0.1"
+    c = validate({**OK, "bind_address": "::1", "health_bind_address": ""})
+    assert c.health_bind_address == "::1"
+
+
+@pytest.mark.parametrize("host", ["10.0.0.256", "1.2.3", "167772161", "300.1.1.1", "1.2.3.4."])
+def test_numeric_looking_hosts_are_invalid_addresses(host):
+    assert any("is not an IP address or RFC 1123 hostname" in p
+               for p in problems(endpoints=f"{host}:6443"))
+    assert problems(bind_address=host) == [
+        f"--bind-address ({host}) must be a valid IP address or RFC 1123 hostname"]
+
+
+def test_hostnames_with_digits_are_still_hostnames():
+    c = validate({**OK, "endpoints": "cp1.example.com:6443,10-0-0-1.nip.io:6443,k8s.1a:6443"})
+    assert len(c.endpoints) == 3
+
+
+def test_bad_bind_address_is_reported_once():
+    assert problems(bind_address="not_a_host!") == [
+        "--bind-address (not_a_host!) must be a valid IP address or RFC 1123 hostname"]
+
+
+def test_every_flag_has_a_converter_and_every_rule_names_real_flags():
+    from extractedprism.config import KINDS, RULES
+    dests = {f.dest for f in FLAGS}
+    assert all(f.kind in KINDS for f in FLAGS)
+    for rule in RULES:
+        assert set(rule.fields) <= dests, rule
+
+
+def test_a_new_flag_row_is_validated_by_its_own_checks():
+    # The table is the validation: a row with a check is checked without other code.
+    import dataclasses
+
+    from extractedprism import config as cfg
+    row = cfg.Flag("extra-port", "int", "1", "test", checks=(cfg.PORT,))
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(cfg.Config)]
+    extended = dataclasses.make_dataclass(
+        "C2", [(n, t, dataclasses.field(default=f.default)) if f.default is not
+               dataclasses.MISSING else (n, t) for n, t, f in fields] + [("extra_port", int, 1)],
+        frozen=True)
+    orig_flags, orig_config = cfg.FLAGS, cfg.Config
+    try:
+        cfg.FLAGS = (*orig_flags, row)
+        cfg.FLAG_BY_NAME[row.name] = row
+        cfg.Config = extended  # type: ignore[misc]
+        with pytest.raises(ConfigError) as err:
+            cfg.validate({**OK, "extra_port": "0"})
+        assert err.value.problems == ["--extra-port (0) must be in the range 1-65535"]
+    finally:
+        cfg.FLAGS, cfg.Config = orig_flags, orig_config
+        del cfg.FLAG_BY_NAME[row.name]
