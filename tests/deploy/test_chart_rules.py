@@ -187,3 +187,16 @@ def test_termination_grace_exceeds_the_drain_window(drain, grace, ok) -> None:
         assert period == grace
     env = env_of(pod["containers"][0])
     assert env["EP_SHUTDOWN_DRAIN_TIMEOUT"] == drain
+
+
+def test_every_cross_field_rule_of_the_program_has_a_case(unchecked_chart) -> None:
+    """A new Rule row in config.RULES fails this until RULES above (and the chart) cover it."""
+    from extractedprism.config import FLAG_BY_NAME
+    from extractedprism.config import RULES as PROGRAM_RULES
+
+    problems = [p for case in RULES.values()
+                for p in program_problems(unchecked_chart, {"endpoints": ENDPOINTS, **case})]
+    for rule in PROGRAM_RULES:
+        options = [FLAG_BY_NAME[f.replace("_", "-")].option for f in rule.fields]
+        assert any(all(o in p for o in options) for p in problems), (
+            f"no case triggers the program's rule {rule.text!r}")
