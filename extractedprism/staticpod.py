@@ -131,6 +131,11 @@ def manifest(config: Config, env: dict[str, str], image: str) -> dict[str, Any]:
                         "hostPath": {"path": path, "type": "DirectoryOrCreate"}})
         dir_mounts.append({"name": f"host-dir-{i}", "mountPath": path})
     mounts.extend(dir_mounts)
+    if config.enable_discovery and config.kubeconfig:
+        # The Kubernetes client writes a kubeconfig's embedded certificate data to temporary
+        # files; the root filesystem stays read-only, /tmp is a small memory volume.
+        volumes.append({"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
+        mounts.append({"name": "tmp", "mountPath": "/tmp"})
     if admin_socket:
         volumes.append({"name": "admin-socket",
                         "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})

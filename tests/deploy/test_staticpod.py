@@ -119,6 +119,11 @@ def test_manifest_is_a_valid_static_pod_with_the_charts_hardening(case: str) -> 
             mount = mounts[path]
             assert mount["readOnly"] is True
             assert volumes[mount["name"]]["hostPath"] == {"path": path, "type": "File"}
+    if config.enable_discovery:
+        # The client writes embedded kubeconfig certificates to temporary files.
+        assert volumes[mounts["/tmp"]["name"]]["emptyDir"]["medium"] == "Memory"
+    else:
+        assert "/tmp" not in mounts
     # The writable directories (state file) are host directories handed to uid 65534.
     state = getattr(config, "state_file", "")
     if state:
