@@ -4,20 +4,31 @@ Start: bind the listener and the health port first (so a port clash fails before
 thread runs), feed the static endpoints, then start discovery, the ticker, the
 acceptor, the heartbeat and the health server.
 
-Stop (spec, "Graceful shutdown"): stop discovery, shut the proxy down (close the
-listener, force-close in-flight connections, wait up to 5 s for pipe threads), then
-give the health server 5 s. Any thread that outlives its deadline is logged by name.
+With ``--handover-socket`` a predecessor's listeners are taken over instead of bound
+(handover.py), and this instance offers its own to the next one once it runs.
+
+Stop (spec, "Graceful shutdown"): one deadline, 5 s from the start of the shutdown,
+shared by every stage: stop discovery, shut the proxy down (close the listener,
+force-close in-flight connections, wait for pipe threads), and the health server's
+graceful shutdown, started at the same time as the proxy's. Every wait is against that
+one deadline, so SIGTERM ends the process within about 5 s whatever is stuck (a probe
+in getaddrinfo, a list call in flight): a daemon thread still running at the deadline
+is logged by name once and abandoned. With ``--shutdown-drain-timeout`` above 0 a drain
+comes first: accepting stops, live connections are closed spread evenly over the
+window, and the spec's shutdown follows.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from extractedprism import handover, statefile
 from extractedprism.config import Config
 from extractedprism.endpoints import Endpoint
 from extractedprism.httpd import HealthServer
@@ -25,7 +36,7 @@ from extractedprism.merge import Merger
 from extractedprism.metrics import Metrics
 from extractedprism.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
 from extractedprism.proxy import Proxy
-from extractedprism.registry import Registry
+from extractedprism.registry import Change, Registry
 from extractedprism.ticker import Ticker
 
 if TYPE_CHECKING:
@@ -34,6 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 5.0
+HEARTBEAT_JOIN_S = 1.0
+CACHE = "cache"  # the provider name of the state file's endpoints
 
 
 class Heartbeat:
@@ -95,12 +108,12 @@ class App:
         self.metrics = metrics or Metrics()
         self._sa_dir = sa_dir
         self.registry = Registry(
-            metrics=self.metrics,
             selection=config.upstream_selection,
             readyz=config.health_check == "readyz",
             drain_timeout=config.drain_timeout,
             max_connections=config.max_connections,
             rng=rng,
+            on_change=self._registry_changed,
         )
         self.metrics.attach_state(self.registry.snapshot)
         readyz = None
@@ -116,8 +129,6 @@ class App:
                              timeout=config.health_timeout, readyz=readyz,
                              stop=self.stop_event, prober=prober,
                              max_wait=min(config.liveness_interval, config.health_interval))
-        self.registry.on_change = self.ticker.wake
-        self.registry.set_probe_now(self.ticker.probe_now)
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
@@ -127,7 +138,15 @@ class App:
         self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
                                    threshold=config.liveness_threshold, stop=self.stop_event)
         self.health: HealthServer | None = None  # made in start(), after the proxy binds
+        self._offer: handover.Offer | None = None
+        self._state_writer: statefile.StateWriter | None = None
+        self._cache_in_use = False
         self._started = False
+
+    def _registry_changed(self, change: Change) -> None:
+        # A bound method rather than a setter patched in later: the ticker needs the
+        # registry first, and the registry calls this only once endpoints are set.
+        self.ticker.registry_changed(change)
 
     # -- addresses -------------------------------------------------------------------
 
@@ -144,14 +163,97 @@ class App:
 
     def start(self) -> None:
         cfg = self.config
-        self.proxy.bind()
+        received = handover.receive(cfg.handover_socket) if cfg.handover_socket else None
+        try:
+            taken = self._open_listeners(received)
+        except BaseException:
+            if received is not None:
+                received.abort()
+            raise
+        try:
+            self._start_threads()
+        except BaseException:
+            if received is not None:
+                received.abort()
+            if "proxy" in taken:
+                # Shared with the predecessor, which still accepts on it: the shutdown
+                # that follows must not shut it down.
+                self.proxy.stop_accepting()
+            raise
+        if received is not None:
+            # Accepting here already: only now may the predecessor stop.
+            received.finish(taken)
+        if cfg.handover_socket:
+            self._offer = handover.Offer(cfg.handover_socket, self._offered_listeners,
+                                         self._handed_over)
+            try:
+                self._offer.start()
+            except OSError as exc:
+                log.warning("handover: cannot offer listeners; the next instance will "
+                            "bind its own path=%s reason=%r", cfg.handover_socket,
+                            exc.strerror or str(exc))
+                self._offer = None
+
+    def _open_listeners(self, received: handover.Received | None) -> list[str]:
+        """Take the predecessor's listeners where they match this configuration, else
+        bind; returns the names taken."""
+        cfg = self.config
+        taken: list[str] = []
+        sock = received.take("proxy") if received is not None else None
+        if sock is not None and handover.listener_matches(sock, cfg.bind_address,
+                                                          cfg.bind_port):
+            self.proxy.adopt(sock)
+            taken.append("proxy")
+        else:
+            if sock is not None:
+                log.warning("handover: the predecessor's proxy listener is on another "
+                            "address; binding a new one address=%s", sock.getsockname())
+                sock.close()
+            self.proxy.bind()
+        sock = received.take("health") if received is not None else None
+        if sock is not None and not handover.listener_matches(
+                sock, cfg.health_bind_address, cfg.health_port):
+            log.warning("handover: the predecessor's health listener is on another "
+                        "address; binding a new one address=%s", sock.getsockname())
+            sock.close()
+            sock = None
         try:
             self.health = HealthServer(self.registry, self.metrics, self.alive,
                                        host=cfg.health_bind_address, port=cfg.health_port,
-                                       liveness_reason=self.liveness_reason)
+                                       liveness_reason=self.liveness_reason, listener=sock)
         except OSError:
-            self.proxy.close_listener()
+            if "proxy" not in taken:  # a taken one is shared: never shut it down
+                self.proxy.close_listener()
+            if self.proxy.listener is not None:
+                self.proxy.listener.close()
             raise
+        if sock is not None:
+            taken.append("health")
+        return taken
+
+    def _offered_listeners(self) -> dict[str, socket.socket]:
+        out: dict[str, socket.socket] = {}
+        if self.stop_event.is_set():
+            return out  # shutting down: the listeners close; a successor binds its own
+        if self.proxy.listener is not None and not self.proxy.handed_over:
+            out["proxy"] = self.proxy.listener
+        if self.health is not None:
+            out["health"] = self.health.listener
+        return out
+
+    def _handed_over(self, names: list[str]) -> None:
+        """handover-offer thread: the successor accepts on ``names`` now."""
+        if "proxy" in names:
+            self.proxy.stop_accepting()
+        if "health" in names and self.health is not None:
+            self.health.stop_accepting()
+        log.info("handover: a successor accepts now; serving open connections until "
+                 "SIGTERM listeners=%s connections=%d", ",".join(names),
+                 self.registry.snapshot().connections_active)
+
+    def _start_threads(self) -> None:
+        cfg = self.config
+        assert self.health is not None
         if cfg.health_check == "readyz":
             # Not fatal: the file is re-read on every probe and may be mounted later;
             # until then every probe fails and selection falls back to TCP health. But a
@@ -162,6 +264,7 @@ class App:
                             "reason=%r; every readyz probe fails until it is fixed",
                             cfg.health_check_ca_file, problem)
         self.merger.update("static", list(cfg.endpoints))
+        self._load_state_file()
         if cfg.enable_discovery:
             self._start_discovery()
         self.ticker.start()
@@ -193,15 +296,41 @@ class App:
             self.metrics.discovery_errors_total.labels(provider=provider).inc()
             self.discovery = None
 
+    def _load_state_file(self) -> None:
+        """``--state-file``: the endpoints discovery found last time, as provider
+        ``cache`` until discovery produces its first list."""
+        cfg = self.config
+        if not cfg.state_file:
+            return
+        if not cfg.enable_discovery:
+            log.warning("state file not used: discovery is off flag=--state-file path=%s",
+                        cfg.state_file)
+            return
+        cached = statefile.read(cfg.state_file)
+        if cached:
+            self._cache_in_use = True
+            self.merger.update(CACHE, cached)
+        self._state_writer = statefile.StateWriter(cfg.state_file, self.stop_event)
+        self._state_writer.start(current=cached)
+
     def _on_discovered(self, endpoints: list[Endpoint]) -> None:
         self.merger.update("kubernetes", endpoints)
+        if self._cache_in_use:
+            # Discovery speaks for itself now; after the kubernetes list is applied, so
+            # an endpoint in both never leaves. The cache's others drain like any
+            # removed endpoint (--drain-timeout).
+            self._cache_in_use = False
+            log.info("state file cache dropped: discovery produced its first list")
+            self.merger.update(CACHE, [])
+        if self._state_writer is not None:
+            self._state_writer.save(endpoints)
 
     def liveness_problem(self, lock_timeout: float) -> str:
         """Empty when alive, else what is wrong (heartbeat thread)."""
         if not self.registry.lock.acquire(timeout=lock_timeout):
             return "registry lock not acquired"
         self.registry.lock.release()
-        if not self.proxy.acceptor_alive():
+        if not self.proxy.acceptor_alive() and not self.proxy.handed_over:
             return "acceptor thread exited"
         if not self.ticker.alive():
             return "ticker thread exited"
@@ -221,18 +350,67 @@ class App:
         return self.heartbeat.last_problem or "heartbeat too old"
 
     def stop(self) -> bool:
-        """Ordered, bounded shutdown; True when every thread finished in time."""
+        """Ordered, bounded shutdown; True when every thread finished in time.
+
+        At most the shutdown drain window plus ``SHUTDOWN_TIMEOUT_S`` (and the offer
+        thread's wake-up): every stage waits against one deadline.
+        """
         self.stop_event.set()
-        ok = True
-        if self.discovery is not None:
-            ok &= bool(self.discovery.stop_and_join(SHUTDOWN_TIMEOUT_S))
-        ok &= self.proxy.shutdown(SHUTDOWN_TIMEOUT_S)
-        ok &= self.ticker.join(SHUTDOWN_TIMEOUT_S)
-        self.heartbeat.join(1.0)
+        if self._offer is not None:
+            self._offer.stop(handover.OFFER_ACCEPT_WAKE_S * 5)
+            if self._offer.in_flight:
+                # SIGTERM in the middle of a handover: the successor may accept on the
+                # listener already, so it is closed here, never shut down.
+                self.proxy.share_listener()
+        if self.config.shutdown_drain_timeout > 0 and self._started:
+            self._shutdown_drain(self.config.shutdown_drain_timeout)
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         if self.health is not None:
-            ok &= self.health.shutdown(SHUTDOWN_TIMEOUT_S)
+            self.health.begin_shutdown(deadline)
+        # The proxy before discovery's join: a list call in flight goes through this
+        # proxy, and the force-close ends it.
+        ok = self.proxy.shutdown(left())
+        if self.discovery is not None:
+            ok &= bool(self.discovery.stop_and_join(left()))
+        ok &= self.ticker.join(left())
+        if self._state_writer is not None:
+            ok &= self._state_writer.join(left())
+        self.heartbeat.join(min(HEARTBEAT_JOIN_S, left()))
+        if self.health is not None:
+            ok &= self.health.wait_stopped(deadline)
         log.info("extractedprism stopped clean=%s", ok)
         return ok
+
+    def _shutdown_drain(self, window: float) -> None:
+        """Stop accepting, then close the live connections spread evenly over
+        ``window``, oldest first, so their clients reconnect (to a successor, or once
+        one runs) a few at a time instead of all at once. What is left at the end is
+        force-closed by the shutdown that follows."""
+        self.proxy.close_listener()  # refused from now on, unless a successor accepts
+        start = time.monotonic()
+        conns = self.registry.live_connections()
+        n = len(conns)
+        log.info("shutdown drain: closing connections spread over the window "
+                 "connections=%d window=%gs handed_over=%s", n, window,
+                 self.proxy.handed_over)
+        closed = 0
+        for i, conn in enumerate(conns):
+            # Connection i closes at the middle of its 1/n-th of the window: evenly
+            # spaced, none at the very start or end.
+            at = start + window * (i + 0.5) / n
+            delay = at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            conn.close()  # a no-op for one that ended meanwhile
+            closed += 1
+        rest = start + window - time.monotonic()
+        if rest > 0:
+            time.sleep(rest)
+        log.info("shutdown drain over closed=%d", closed)
 
     def __enter__(self) -> App:
         self.start()

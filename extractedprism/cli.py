@@ -1,7 +1,9 @@
 """Command line: flags and EP_ env vars -> validate -> logging -> App -> wait for a signal.
 
 Runs on the main thread. Signal handlers only set the stop Event; the main thread then
-runs the ordered shutdown. SIGUSR1 dumps every thread's stack to stderr (faulthandler)
+runs the ordered shutdown. SIGHUP is logged and ignored: configuration is read once at
+start, and a hang-up (a closed terminal, a habitual ``kill -HUP``) must not take every
+connection of the node down. SIGUSR1 dumps every thread's stack to stderr (faulthandler)
 for images without py-spy. Invalid configuration exits with status 2 before any port
 is opened, listing every problem.
 """
@@ -120,6 +122,14 @@ def dump_threads(_signum: int = 0, _frame: object = None, file: object = None) -
     print("\n".join(lines), file=out, flush=True)  # type: ignore[call-overload]
 
 
+SIGHUP_MESSAGE = "SIGHUP: configuration is read at start; restart to apply changes"
+
+
+def on_sighup(_signum: int = 0, _frame: object = None) -> None:
+    """One line per SIGHUP received, then carry on (the default action would exit)."""
+    log.warning(SIGHUP_MESSAGE)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
@@ -136,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGUSR1: named stacks from the main thread. SIGUSR2: faulthandler's dump, which
     # works even when a thread holds the GIL and the main thread cannot run.
     signal.signal(signal.SIGUSR1, dump_threads)
+    signal.signal(signal.SIGHUP, on_sighup)
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     _raise_fd_limit()
     # Shorter GIL slices cut the wait of a woken pipe thread under many connections.
@@ -156,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # and would not notice (seen: SIGTERM ignored with connections in flight). So every
     # other thread blocks these signals: threads inherit the mask of the thread that
     # starts them, and all of ours descend from threads started here.
-    handled = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+    handled = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP}
     signal.pthread_sigmask(signal.SIG_BLOCK, handled)
     app = App(config, stop=stop)
     try:

@@ -25,7 +25,8 @@ from extractedprism.parsing import format_duration, parse_bool, parse_duration
 
 __all__ = [
     "FLAGS", "FLAG_BY_NAME", "HEALTH_CHECKS", "KINDS", "LOG_LEVELS", "PIPE_SCHED_POLICIES",
-    "RULES", "SELECTION_MODES", "Check", "Config", "ConfigError", "Flag", "Rule",
+    "RULES", "SELECTION_MODES", "STATIC_ENDPOINT_MODES", "Check", "Config", "ConfigError",
+    "Flag", "Rule",
     "format_duration", "parse_bool", "parse_duration", "validate",
 ]
 
@@ -33,6 +34,7 @@ LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
 SELECTION_MODES = ("random", "latency", "least-conn")
 HEALTH_CHECKS = ("tcp", "readyz")
 PIPE_SCHED_POLICIES = ("batch", "normal")
+STATIC_ENDPOINT_MODES = ("always", "fallback")
 
 
 class ConfigError(ValueError):
@@ -245,6 +247,37 @@ FLAGS: tuple[Flag, ...] = (
         "saves most context switches) or normal (SCHED_OTHER)",
         PIPE_SCHED_POLICIES,
     ),
+    Flag(
+        "handover-socket",
+        "path",
+        "",
+        "Unix socket for upgrades without a gap: a running instance offers its listening "
+        "sockets there, and an instance that starts while one runs takes them over "
+        "(empty: off)",
+    ),
+    Flag(
+        "shutdown-drain-timeout",
+        "duration",
+        "0s",
+        "On SIGTERM, stop accepting but keep existing connections, closing them spread "
+        "evenly over this window before the shutdown (0: close them at once)",
+        checks=(NOT_NEGATIVE,),
+    ),
+    Flag(
+        "state-file",
+        "path",
+        "",
+        "File that keeps the endpoints discovery last found, read at start as the 'cache' "
+        "provider until discovery produces its first list (empty: off)",
+    ),
+    Flag(
+        "static-endpoints",
+        "choice",
+        "always",
+        "always: --endpoints are always upstreams; fallback: once discovery has produced a "
+        "list, static endpoints it lacks are kept only as a last resort (panic mode)",
+        STATIC_ENDPOINT_MODES,
+    ),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
@@ -346,6 +379,10 @@ class Config:
     kubeconfig: str = ""
     max_connections: int = 4096
     pipe_sched: str = "batch"
+    handover_socket: str = ""
+    shutdown_drain_timeout: float = 0.0
+    state_file: str = ""
+    static_endpoints: str = "always"
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""

@@ -48,10 +48,32 @@ def is_valid_host(text: str) -> bool:
     return is_ip(text) or (is_rfc1123_hostname(text) and not looks_numeric(text))
 
 
+def canonical_host(host: str) -> str:
+    """One spelling per host, so one upstream is one upstream wherever it came from.
+
+    Hostnames compare case-insensitively and without the root dot (DNS does), so
+    ``CP1.example.com`` from --endpoints and ``cp1.example.com.`` from an EndpointSlice
+    are one upstream, not two that split the picks and double the series. IPv6 gets
+    its RFC 5952 form (lower case, "::" compression).
+    """
+    if ":" in host:
+        try:
+            return str(ipaddress.ip_address(host))
+        except ValueError:
+            return host
+    name = host.lower()
+    return name[:-1] if name.endswith(".") and len(name) > 1 else name
+
+
 @dataclass(frozen=True, order=True)
 class Endpoint:
     host: str
     port: int
+
+    def __post_init__(self) -> None:
+        host = canonical_host(self.host)
+        if host != self.host:
+            object.__setattr__(self, "host", host)
 
     def __str__(self) -> str:
         if ":" in self.host:
@@ -101,12 +123,7 @@ def parse_endpoint(text: str) -> Endpoint:
         port = parse_port(port_text)
     except ValueError as exc:
         raise ValueError(f"{raw!r}: {exc}") from None
-    if ":" in host:
-        # One spelling per IPv6 address (RFC 5952: lower case, "::" compression), so
-        # [FD00:0::1]:6443 given statically and fd00::1 from an EndpointSlice are one
-        # upstream, not two that split the picks and the metrics.
-        host = str(ipaddress.ip_address(host))
-    return Endpoint(host, port)
+    return Endpoint(host, port)  # which spells the host canonically
 
 
 def parse_endpoint_list(text: str) -> tuple[list[Endpoint], list[str]]:

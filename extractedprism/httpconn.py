@@ -105,23 +105,35 @@ class ConnectionLoop:
     """
 
     def __init__(self, host: str, port: int, respond: Callable[[Conn], tuple[bytes, bool]],
-                 *, timeout_answer: bytes, name: str = "health-http") -> None:
+                 *, timeout_answer: bytes, name: str = "health-http",
+                 listener: socket.socket | None = None) -> None:
         self._respond = respond
         self._timeout_answer = timeout_answer
         self._name = name
-        family = socket.AF_INET6 if is_ip(host) and ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        if listener is not None:
+            # Taken over from the instance this one replaces (handover.py): already
+            # bound and listening, and shared with it until it stops accepting.
+            self._listener = listener
+        else:
+            family = socket.AF_INET6 if is_ip(host) and ":" in host else socket.AF_INET
+            self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._listener.bind((host, port))
-            # A deep backlog: with the stdlib's 5, a burst of connections made the kernel
-            # drop SYNs, and a probe caught behind them waited for a 1 s retransmit.
-            self._listener.listen(socket.SOMAXCONN)
+            if listener is None:
+                self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self._listener.bind((host, port))
+                # A deep backlog: with the stdlib's 5, a burst of connections made the
+                # kernel drop SYNs, and a probe caught behind them waited for a 1 s
+                # retransmit.
+                self._listener.listen(socket.SOMAXCONN)
             self._listener.setblocking(False)
             self._wake_r, self._wake_w = socket.socketpair()
         except OSError:
             self._listener.close()
             raise
+        self._stop_accepting = threading.Event()
+        host_, port_ = self._listener.getsockname()[:2]
+        # Kept: the listener may be closed later (handed over, shut down).
+        self._address = (str(host_), int(port_))
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._sel = selectors.DefaultSelector()
@@ -145,8 +157,7 @@ class ConnectionLoop:
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._listener.getsockname()[:2]
-        return str(host), int(port)
+        return self._address
 
     def start(self) -> None:
         self._sel.register(self._listener, selectors.EVENT_READ, "listener")
@@ -154,17 +165,43 @@ class ConnectionLoop:
         self._thread = threading.Thread(name=self._name, target=self._serve, daemon=True)
         self._thread.start()
 
+    @property
+    def listener(self) -> socket.socket:
+        """The listening socket (to offer to a successor; never to accept on)."""
+        return self._listener
+
+    def stop_accepting(self) -> None:
+        """A successor accepts on the shared listener now: stop accepting, close this
+        process's copy of it (the successor holds its own), keep serving the
+        connections already open."""
+        self._stop_accepting.set()
+        if self._thread is None:
+            self._listener.close()
+        else:
+            self._wake()
+
     def shutdown(self, timeout: float = 5.0) -> bool:
         """Stop accepting, close idle connections, give running answers until
         ``timeout`` to finish; True when every thread is gone."""
         deadline = time.monotonic() + timeout
+        self.begin_shutdown(deadline)
+        return self.wait_stopped(deadline)
+
+    def begin_shutdown(self, deadline: float) -> None:
+        """Start the graceful shutdown, with answers in progress given until
+        ``deadline`` (monotonic); does not wait."""
         self._stop_deadline = deadline
         self._stop.set()
         if self._thread is not None:
             self._wake()
-            self._thread.join(timeout)
         else:
             self._close_all()
+
+    def wait_stopped(self, deadline: float) -> bool:
+        """Wait until ``deadline`` for the loop and request threads; True when all are
+        gone. Each one still running is logged once and abandoned (they are daemons)."""
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             workers = list(self._workers)
         for t in workers:
@@ -190,6 +227,8 @@ class ConnectionLoop:
                         self._write(self._writing.get(key.fd))
                     else:
                         self._discard(self._lingering.get(key.fd))
+                if self._stop_accepting.is_set() and self._listener.fileno() >= 0:
+                    self._unlisten()
                 self._take_back()
                 self._expire(time.monotonic())
                 self._dispatch()
@@ -200,15 +239,20 @@ class ConnectionLoop:
         finally:
             self._close_all()
 
+    def _unlisten(self) -> None:
+        # close(), never shutdown(): the listening socket may be shared with a
+        # successor, and shutdown() would stop it accepting too.
+        try:
+            self._sel.unregister(self._listener)
+        except (KeyError, ValueError):
+            pass  # accepts were paused, or already closed
+        self._accept_paused_until = 0.0
+        self._listener.close()
+
     def _finish(self) -> None:
         """Shutdown: no new connections or requests, but answers being rendered or
         written get until the shutdown deadline to reach their clients."""
-        try:
-            self._sel.unregister(self._listener)
-        except KeyError:
-            pass  # accepts were paused
-        self._accept_paused_until = 0.0
-        self._listener.close()
+        self._unlisten()
         for conn in [*self._reading.values(), *self._lingering.values(), *self._queued]:
             self._close(conn)
         self._queued.clear()

@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import re
+import socket
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
@@ -233,13 +234,16 @@ class HealthServer:
     """The health HTTP server: routes over a :class:`ConnectionLoop`."""
 
     def __init__(self, registry: Registry, metrics: Metrics, alive: Callable[[], bool], *,
-                 host: str, port: int, liveness_reason: Callable[[], str] = str) -> None:
+                 host: str, port: int, liveness_reason: Callable[[], str] = str,
+                 listener: socket.socket | None = None) -> None:
         self.registry = registry
         self.metrics = metrics
         self.alive = alive
         self.liveness_reason = liveness_reason
+        # ``listener``: one taken over from a predecessor (handover.py) instead of a
+        # new bind.
         self._loop = ConnectionLoop(host, port, self._respond,
-                                    timeout_answer=_timeout_answer())
+                                    timeout_answer=_timeout_answer(), listener=listener)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -252,6 +256,20 @@ class HealthServer:
         """Stop accepting, close idle connections, give answers in progress until
         ``timeout``; True when every thread is gone."""
         return self._loop.shutdown(timeout)
+
+    @property
+    def listener(self) -> socket.socket:
+        return self._loop.listener
+
+    def stop_accepting(self) -> None:
+        """A successor took the listener over: serve what is open, accept no more."""
+        self._loop.stop_accepting()
+
+    def begin_shutdown(self, deadline: float) -> None:
+        self._loop.begin_shutdown(deadline)
+
+    def wait_stopped(self, deadline: float) -> bool:
+        return self._loop.wait_stopped(deadline)
 
     def _respond(self, conn: Conn) -> tuple[bytes, bool]:
         return _Handler(self, conn).answer()

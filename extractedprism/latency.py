@@ -18,48 +18,32 @@ Smoothing (spec, "Latency-aware selection")
   the raw sample; the cap only ever lowers large samples, so the two never interact).
 * Failed checks never call :meth:`LatencyTiers.observe`.
 
-Tiers and hysteresis: the interpretation written down
------------------------------------------------------
-The spec defines ``limit(best) = max(best + 2 ms, 2 * best)``; tier 0 is every upstream
-whose average is at most ``limit(best of all)``; tier 1 applies the rule to the rest,
-and so on. An upstream leaves its tier only when its average exceeds the tier's limit
-by a further 25%, and membership follows the group rather than the tier number.
+Tiers and hysteresis, as the spec words them
+--------------------------------------------
+``limit(best) = max(best + 2 ms, 2 * best)``. Each rebuild (after every sample and
+every removal) takes the upstreams not yet placed, lowest average first:
 
-This module keeps the *groups* between rebuilds (a list of sets, best first) and
-rebuilds them after every sample and every removal:
-
-1. **Base and limit of a group.** A group's base is the lowest current average among
-   its current members, and its limit is ``limit(base)``. The limit therefore moves
-   with its members: if the fastest member gets slower the limit rises with the new
-   lowest member; if a member gets faster the limit tightens.
-2. **Leaving (hysteresis).** A member stays in its group while
-   ``avg <= 1.25 * limit(base)`` and is released when its average is above that. The
-   base is the group minimum, so releasing members never changes the base and one pass
-   is enough. A released upstream is "free", like an upstream with its first sample.
-3. **Rebuilding in order.** Repeatedly take the lowest average among everything not yet
-   placed (the bases of the remaining groups and the averages of free upstreams); ties
-   go to an existing group. If it is a group's base, that group becomes the next tier;
-   if it is a free upstream, it starts a new tier. With ``L = limit(that lowest avg)``:
-
-   * every free upstream with ``avg <= L`` joins the tier (entry uses the strict
-     limit, not the +25%);
-   * every remaining group whose base is ``<= L`` joins the tier **as a whole**, but
-     only if all of its members are within the tier's hysteresis band
-     (``avg <= 1.25 * L``). Otherwise it stays a group of its own and becomes a later
-     tier, so a tier appearing above never splits a group.
+1. **The literal rule.** The next tier holds every remaining upstream whose average is
+   at most ``limit(best)``, ``best`` being the lowest remaining average. Tier 0 is
+   therefore exactly what the spec says, whatever the history: a new upstream much
+   faster than the rest takes with it every upstream within its limit.
+2. **Hysteresis.** An upstream that was in the same group as the tier also stays
+   while its average is at most ``1.25 * limit(best)``; above that it leaves, and a
+   non-member between the two limits stays out. A first sample is judged by the
+   strict limit.
+3. **Membership follows the group.** A tier continues the group of its fastest
+   member that had one (the first such group not claimed by a tier above). So when
+   a tier appears or disappears above, the members of a group are judged against
+   their own group's tier and are not split by the renumbering, while two groups
+   merging into one tier do not pull in each other's hysteresis members.
 4. **Tier numbers** are positions in this order; they shift when a tier appears or
    disappears above, but group membership does not.
 
-Consequences, each covered by a unit test: a new upstream much faster than everyone
-forms tier 0 and the old tier 0 becomes tier 1 intact; a member whose average falls
-inside a better tier's limit becomes its group's base, which tightens its group's limit
-and releases far-away members, and the group then moves up whole if all that remain fit
-the better tier's band (otherwise it stays one tier below, together); removing the only
-tier-0 upstream turns tier 1 into tier 0 with the same
-members (then re-checked against their own base as in rule 2); upstreams within 2 ms of
-the best are all tier 0. Removed upstreams are forgotten and the tiers are rebuilt
-without them; the registry calls :meth:`LatencyTiers.remove` once their drain completes,
-so unhealthy and draining upstreams keep their tier until then.
+The replace-below-a-quarter rule and rule 1 together let two upstreams whose first
+samples were far apart share a tier as soon as their averages are within the limit.
+Removed upstreams are forgotten and the tiers are rebuilt without them; the registry
+calls :meth:`LatencyTiers.remove` once their drain completes, so unhealthy and
+draining upstreams keep their tier until then.
 """
 
 from __future__ import annotations
@@ -97,14 +81,15 @@ class LatencyTiers:
     """EWMA per upstream + tier groups with 25% hysteresis. Not thread-safe (the registry's
     lock guards it)."""
 
-    __slots__ = ("_alpha", "_avg", "_groups", "_tier")
+    __slots__ = ("_alpha", "_avg", "_group", "_next_group", "_tier")
 
     def __init__(self, alpha: float = ALPHA) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         self._alpha = alpha
         self._avg: dict[str, float] = {}
-        self._groups: list[set[str]] = []  # best first; index = tier
+        self._group: dict[str, int] = {}  # key -> id of the group (tier) it was placed in
+        self._next_group = 0
         self._tier: dict[str, int] = {}
 
     # --- inputs -------------------------------------------------------------
@@ -130,10 +115,6 @@ class LatencyTiers:
     def tiers(self) -> dict[str, int]:
         return dict(self._tier)
 
-    def groups(self) -> list[frozenset[str]]:
-        """The tiers as sets, tier 0 first (for tests and debugging)."""
-        return [frozenset(g) for g in self._groups]
-
     def __contains__(self, key: object) -> bool:
         return key in self._avg
 
@@ -143,56 +124,26 @@ class LatencyTiers:
     # --- the rebuild (see the module docstring, rules 1-4) ------------------
 
     def _rebuild(self) -> None:
-        avg = self._avg
-        groups: list[tuple[float, set[str]]] = []
-        placed: set[str] = set()
-        for old in self._groups:
-            members = {k for k in old if k in avg}
-            if not members:
-                continue
-            base = min(avg[k] for k in members)
-            band = HYSTERESIS * tier_limit(base)
-            members = {k for k in members if avg[k] <= band}  # rule 2
-            groups.append((base, members))
-            placed |= members
-        # Stable sort keeps the previous order between groups with equal bases.
-        groups.sort(key=_base_of)
-        free = sorted((k for k in avg if k not in placed), key=lambda k: (avg[k], k))
-
-        new_groups: list[set[str]] = []
-        gi = 0  # next unconsumed entry of `groups` (entries set to None when merged)
-        pending: list[tuple[float, set[str]] | None] = list(groups)
-        while gi < len(pending) or free:
-            while gi < len(pending) and pending[gi] is None:
-                gi += 1
-            head = pending[gi] if gi < len(pending) else None
-            if head is None and not free:
-                break
-            if head is not None and (not free or head[0] <= avg[free[0]]):
-                base, tier = head[0], set(head[1])
-                pending[gi] = None
-                gi += 1
-            else:
-                first = free.pop(0)
-                base, tier = avg[first], {first}
-            limit = tier_limit(base)
+        avg, old = self._avg, self._group
+        remaining = sorted(avg, key=lambda k: (avg[k], k))
+        group: dict[str, int] = {}
+        tier: dict[str, int] = {}
+        claimed: set[int] = set()
+        n = 0
+        while remaining:
+            limit = tier_limit(avg[remaining[0]])
+            strict = [k for k in remaining if avg[k] <= limit]  # rule 1
+            gid = next((old[k] for k in strict if k in old and old[k] not in claimed), None)
+            if gid is None:
+                gid = self._next_group
+                self._next_group += 1
+            claimed.add(gid)
             band = HYSTERESIS * limit
-            while free and avg[free[0]] <= limit:
-                tier.add(free.pop(0))
-            for j in range(gi, len(pending)):
-                cand = pending[j]
-                if cand is None:
-                    continue
-                if cand[0] > limit:
-                    break  # sorted by base: no later group can enter either
-                if all(avg[k] <= band for k in cand[1]):
-                    tier |= cand[1]
-                    pending[j] = None
-            new_groups.append(tier)
-
-        self._groups = new_groups
-        self._tier = {k: i for i, g in enumerate(new_groups) for k in g}
-
-
-def _base_of(group: tuple[float, set[str]]) -> float:
-    return group[0]
+            members = set(strict)
+            members.update(k for k in remaining  # rule 2, for this group only (rule 3)
+                           if old.get(k) == gid and avg[k] <= band)
+            for k in members:
+                group[k], tier[k] = gid, n
+            remaining = [k for k in remaining if k not in members]
+            n += 1
+        self._group, self._tier = group, tier

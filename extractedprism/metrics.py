@@ -1,10 +1,12 @@
-"""Prometheus metrics: counters fed by events, gauges read from registry snapshots.
+"""Prometheus metrics: discovery counters fed by events, the rest read from snapshots.
 
-Counters (connections, errors, discovery) are incremented where the event happens.
-Every gauge is produced at scrape time by :class:`StateCollector` from one
-``snapshot()`` of the upstream registry, so a removed upstream's gauge series vanish
-by themselves and can never disagree with ``/upstreams``. Metric objects live on an
-injected ``CollectorRegistry`` so each test (and each App) gets a fresh set.
+Upstream state and its counters (connections, dial errors, bytes) are plain integers
+in the registry's records; :class:`StateCollector` turns one ``snapshot()`` into every
+gauge and those counters at scrape time, so a removed upstream's series vanish with
+its record, can never disagree with ``/upstreams``, and no metric call happens under
+the registry lock. The discovery counters belong to no upstream and are incremented
+by merge.py and watch.py where the event happens. Metric objects live on an injected
+``CollectorRegistry`` so each test (and each App) gets a fresh set.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from extractedprism.registry import Snapshot
+    from extractedprism.snapshot import Snapshot
 
 PREFIX = "extractedprism_"
 
@@ -31,18 +33,6 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.connections_total = Counter(
-            PREFIX + "connections_total",
-            "Connections established to upstreams since start",
-            registry=r,
-        )
-        self.connection_errors_total = Counter(
-            PREFIX + "connection_errors_total",
-            "Failed connection attempts to an upstream (not counted when no upstream was "
-            "available or when the proxy is shutting down)",
-            ["upstream"],
-            registry=r,
-        )
         self.discovery_updates_total = Counter(
             PREFIX + "discovery_updates_total",
             "Endpoint list updates received, by provider (static, kubernetes)",
@@ -63,13 +53,6 @@ class Metrics:
         self._collector = StateCollector(snapshot)
         self.registry.register(self._collector)
 
-    def forget_upstream(self, upstream: str) -> None:
-        """Delete an upstream's counter series once it is drained and removed."""
-        try:
-            self.connection_errors_total.remove(upstream)
-        except KeyError:
-            pass
-
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         """Current value of a sample (tests and the demo status line)."""
         return self.registry.get_sample_value(name, labels or {})
@@ -86,9 +69,31 @@ class StateCollector(Collector):
         # the registry has upstreams; an empty list is the documented way to skip that.
         return []
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         snap = self._snapshot()
         g = GaugeMetricFamily
+        yield CounterMetricFamily(
+            PREFIX + "connections_total",
+            "Connections established to upstreams since start",
+            value=snap.connections_total,
+        )
+        errors = CounterMetricFamily(
+            PREFIX + "connection_errors_total",
+            "Failed connection attempts to an upstream (not counted when no upstream was "
+            "available or when the proxy is shutting down)",
+            labels=["upstream"],
+        )
+        sent = CounterMetricFamily(
+            PREFIX + "upstream_bytes_total",
+            "Bytes proxied per upstream and direction (up: client to upstream)",
+            labels=["upstream", "direction"],
+        )
+        for u in snap.upstreams:
+            errors.add_metric([u.address], u.connection_errors)
+            sent.add_metric([u.address, "up"], u.bytes_up)
+            sent.add_metric([u.address, "down"], u.bytes_down)
+        yield errors
+        yield sent
         yield g(
             PREFIX + "upstreams_active",
             "Upstreams eligible for new connections (healthy, not draining)",

@@ -36,19 +36,11 @@ import time
 from dataclasses import dataclass
 
 from extractedprism.endpoints import Endpoint, is_ip
+from extractedprism.upstream import ProbeResult
 
 log = logging.getLogger(__name__)
 
 _SSL_SOURCE = re.compile(r"\s*\(_ssl\.c:\d+\)")
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    ok: bool  # TCP connect succeeded
-    rtt: float | None  # connect time in seconds incl. name resolution (set when ok)
-    reason: str  # "" when ok, else short: "connection refused", "timeout", ...
-    ready: bool | None = None  # /readyz outcome; None when not probed
-    ready_reason: str = ""  # "" when ready, else "HTTP 500", "TLS verify failed: ..."
 
 
 @dataclass(frozen=True)

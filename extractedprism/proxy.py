@@ -21,6 +21,12 @@ during a local blip and a refused kubelet is worse than a slow one.
 
 EMFILE/ENFILE on accept back off (up to 1 s) instead of spinning, and recover as soon
 as descriptors free up.
+
+The listener may be shared with another instance (handover.py: a successor takes it
+over): accept() wakes every ``ACCEPT_WAKE_S`` (SO_RCVTIMEO on the listener, which Linux
+applies to accept) so the acceptor can stop accepting without ``shutdown()``, which
+would stop the socket for the successor too. Nothing is lost while both accept: the
+connections queued on the socket belong to it, not to either process.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +51,10 @@ PRESTART_THREADS = 64  # a node's usual clients (kubelet, proxies, CNI, daemons)
 PIPE_IDLE_EXIT_S = 60.0  # pipe threads beyond PRESTART_THREADS idle this long exit
 PIPE_THREAD_STACK = 256 * 1024  # copy loops are shallow; the default 8 MiB is address space
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# How often a blocked accept() returns to look at the stop flags. Idle cost: one
+# wake-up per interval; no cost per connection.
+ACCEPT_WAKE_S = 0.25
+_RCVTIMEO = struct.pack("ll", 0, int(ACCEPT_WAKE_S * 1_000_000))
 
 
 def _has_opts(sock: socket.socket) -> bool | None:
@@ -79,10 +90,19 @@ def open_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
         apply_sockopts(sock)
         sock.bind(addr)
         sock.listen(backlog)
+        set_accept_wake(sock)
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def set_accept_wake(sock: socket.socket) -> None:
+    """Make a blocking accept() on ``sock`` return EAGAIN every ``ACCEPT_WAKE_S``.
+
+    Accepted sockets inherit the option; pipe threads use them non-blocking, where it
+    has no effect."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _RCVTIMEO)
 
 
 class _Worker:
@@ -120,7 +140,15 @@ class Proxy:
         self._workers: list[_Worker] = []  # every pipe thread, under _pool_lock
         self._parked: list[_Worker] = []  # idle ones, most recently parked last
         self._stopping = threading.Event()
+        # The acceptor stops when _accept_stop is set: at shutdown, at the start of a
+        # shutdown drain (live connections keep being served), or when a successor
+        # accepts on the listener instead (_handed_over: the shared socket is then
+        # never shut down from here).
+        self._accept_stop = threading.Event()
+        self._handed_over = threading.Event()
+        self._shared = False
         self._listener: socket.socket | None = None
+        self._address: tuple[str, int] | None = None
         self._acceptor: threading.Thread | None = None
         self._seq = 0
         self._on_accept_loop = on_accept_loop
@@ -131,12 +159,50 @@ class Proxy:
 
     def bind(self) -> None:
         self._listener = open_listener(*self._bind)
+        self._address = self._listener.getsockname()[:2]
+
+    def adopt(self, listener: socket.socket) -> None:
+        """Accept on ``listener``, taken over from a predecessor, instead of binding."""
+        listener.setblocking(True)
+        set_accept_wake(listener)
+        self._listener = listener
+        self._address = listener.getsockname()[:2]
+
+    @property
+    def listener(self) -> socket.socket | None:
+        """The listening socket (to offer to a successor; never to accept on)."""
+        return self._listener
+
+    @property
+    def handed_over(self) -> bool:
+        return self._handed_over.is_set()
+
+    def share_listener(self) -> None:
+        """Another process may accept on the listener: close it, never shut it down."""
+        self._shared = True
+
+    def stop_accepting(self, timeout: float = 1.0) -> bool:
+        """A successor accepts on the shared listener now: stop accepting (within
+        ``ACCEPT_WAKE_S``) and close this process's copy of the listener once the
+        acceptor is out of accept(); live connections keep being served. True when the
+        acceptor stopped within ``timeout``."""
+        self._handed_over.set()
+        self._accept_stop.set()
+        if self._acceptor is not None:
+            self._acceptor.join(timeout)
+            if self._acceptor.is_alive():
+                log.warning("acceptor still in accept() after the handover; its copy of "
+                            "the listener stays open timeout=%gs", timeout)
+                return False
+        if self._listener is not None:
+            self._listener.close()
+        return True
 
     @property
     def address(self) -> tuple[str, int]:
-        assert self._listener is not None
-        host, port = self._listener.getsockname()[:2]
-        return host, port
+        # Kept from the bind: the listener may be closed (handed over, shut down).
+        assert self._address is not None
+        return self._address
 
     def start(self) -> None:
         if self._listener is None:
@@ -155,9 +221,12 @@ class Proxy:
         return self._acceptor is not None and self._acceptor.is_alive()
 
     def close_listener(self) -> None:
-        """Stop accepting: wakes the acceptor out of accept()."""
-        self._stopping.set()
-        if self._listener is not None:
+        """Stop accepting: wakes the acceptor out of accept(). Once handed over, the
+        socket is the successor's: left alone (the acceptor notices within
+        ``ACCEPT_WAKE_S``). Live connections are not touched."""
+        self._accept_stop.set()
+        if (self._listener is not None and not self._handed_over.is_set()
+                and not self._shared):
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -166,6 +235,7 @@ class Proxy:
     def shutdown(self, timeout: float = 5.0) -> bool:
         """Close the listener, force-close live connections, wait for pipe threads."""
         deadline = time.monotonic() + timeout
+        self._stopping.set()
         self.close_listener()
         if self._acceptor is not None:
             self._acceptor.join(max(0.0, deadline - time.monotonic()))
@@ -202,7 +272,7 @@ class Proxy:
         raw_accept = listener._accept  # type: ignore[attr-defined]
         saturated = False
         fd_backoff = 0.0
-        while not self._stopping.is_set():
+        while not self._accept_stop.is_set():
             if self._on_accept_loop is not None:
                 self._on_accept_loop()
             if self._live >= self._max:
@@ -226,8 +296,10 @@ class Proxy:
                 fd, addr = raw_accept()
                 sock = socket.socket(family, socket.SOCK_STREAM, 0, fd)
             except OSError as exc:
-                if self._stopping.is_set():
+                if self._accept_stop.is_set():
                     break
+                if exc.errno == errno.EAGAIN:  # SO_RCVTIMEO: look at the flags again
+                    continue
                 if exc.errno in _FD_ERRNOS:
                     # Once per episode at warning ("accept recovered" ends it); the
                     # retries of one episode at debug.
@@ -235,10 +307,10 @@ class Proxy:
                             "accept failed; backing off until descriptors free up "
                             "error=%r backoff=%gs", exc.strerror, fd_backoff or 0.01)
                     fd_backoff = min(1.0, fd_backoff * 2 or 0.01)
-                    self._stopping.wait(fd_backoff)
+                    self._accept_stop.wait(fd_backoff)
                 elif exc.errno not in (errno.ECONNABORTED, errno.EINTR, errno.EPROTO):
                     log.exception("accept failed")
-                    self._stopping.wait(0.05)
+                    self._accept_stop.wait(0.05)
                 continue
             if fd_backoff:
                 fd_backoff = 0.0

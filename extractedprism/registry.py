@@ -1,4 +1,4 @@
-"""The upstream registry: the one RLock that owns every upstream's state.
+"""The upstream registry: the one RLock that owns every upstream's record.
 
 Every thread reads and changes upstream state only through this object:
 
@@ -8,15 +8,18 @@ Every thread reads and changes upstream state only through this object:
 * the ticker calls :meth:`tick` to expire drain and readiness deadlines;
 * the health server and the metrics collector read :meth:`snapshot`.
 
-Fields guarded by ``self.lock``: ``_ups`` (address -> _Upstream and everything inside
-each record), ``_panic``, ``_conn_count``. Methods never do I/O while holding it:
-connections to close are collected under the lock and closed after it is released
-(``_run``). Every state transition logs one line with its reason.
+The rules of one upstream's state live in :mod:`extractedprism.upstream` (pure); this
+module owns what needs the lock: the address -> record dict, live connections, the
+counters, the drain and readiness deadlines and the panic flag. Fields guarded by
+``self.lock``: ``_ups`` (and everything in each record), ``_panic``, ``_conn_count``,
+``_connections_total``, ``_closing``. Methods never do I/O, logging or callbacks while
+holding it: sockets to close, log lines and change notices are collected in an
+:class:`_Effects` under the lock and carried out after it is released, so a stalled
+log handler or a slow close never stalls a pick.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 import threading
@@ -25,21 +28,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from extractedprism import upstream as sm
 from extractedprism.endpoints import Endpoint
 from extractedprism.latency import LatencyTiers
-from extractedprism.metrics import Metrics
-from extractedprism.probes import ProbeResult
 from extractedprism.selection import Candidate, choose
+from extractedprism.snapshot import ConnView, Snapshot, UpstreamView
+from extractedprism.upstream import ProbeResult, Readiness, Transition, UpstreamState
 
 log = logging.getLogger(__name__)
 
-FAILURE_THRESHOLD = 2  # consecutive failures that exclude an upstream (spec)
-
-
-class Readiness(enum.Enum):
-    PENDING = "pending"  # new, or reachable again after a TCP failure; next probe decides
-    READY = "ready"
-    UNREADY = "unready"
+__all__ = ["Change", "ProbeResult", "Readiness", "Registry", "Tracked"]
 
 
 class Tracked(Protocol):
@@ -53,195 +51,155 @@ class Tracked(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Change:
+    """What the registry tells its one listener (the ticker) after releasing the lock."""
+
+    what: str  # "endpoints" (list changed) | "health" (a dial flipped it) | "probe-now"
+    address: str = ""
+
+
 @dataclass
-class _Upstream:
+class _Record:
     endpoint: Endpoint
-    healthy: bool = True
-    fail_streak: int = 0
-    readiness: Readiness = Readiness.PENDING
-    ready_fail_streak: int = 0
-    probed_ready: bool = False
-    tcp_failed_since_probe: bool = False
-    draining: bool = False
-    drain_deadline: float | None = None
-    unready_deadline: float | None = None
+    state: UpstreamState = field(default_factory=UpstreamState)
     conns: dict[int, Tracked] = field(default_factory=dict)
     dialing: int = 0  # picked, dial in progress: counts for least-conn
-    total_connections: int = 0
-    last_check_error: str = ""
+    drain_deadline: float | None = None
+    unready_deadline: float | None = None
     last_success: float = 0.0
+    # Counters, exported at scrape time; they go when the record goes.
+    total_connections: int = 0
+    connection_errors: int = 0
+    bytes_up: int = 0  # of finished connections
+    bytes_down: int = 0
 
 
-@dataclass(frozen=True)
-class ConnView:
-    client: str
-    upstream: str
-    started: float
-    bytes_up: int
-    bytes_down: int
+class _Effects:
+    """Side effects collected under the lock, run after it is released."""
+
+    __slots__ = ("changes", "close", "logs")
+
+    def __init__(self) -> None:
+        self.close: list[Tracked] = []
+        self.logs: list[tuple[int, str, tuple[object, ...]]] = []
+        self.changes: list[Change] = []
+
+    def log(self, level: int, msg: str, *args: object) -> None:
+        self.logs.append((level, msg, args))
+
+    def transitions(self, addr: str, transitions: Iterable[Transition]) -> None:
+        for t in transitions:
+            if t.kind == "check":
+                self.log(t.level, "upstream check failed upstream=%s reason=%r", addr, t.reason)
+            else:
+                self.log(t.level, "upstream %s->%s upstream=%s reason=%r", t.before, t.after,
+                         addr, t.reason)
 
 
-@dataclass(frozen=True)
-class UpstreamView:
-    address: str
-    healthy: bool
-    draining: bool
-    ready: bool
-    readiness: str
-    probed_ready: bool
-    tier: int | None
-    rtt_seconds: float | None
-    active_connections: int
-    total_connections: int
-    last_check_error: str
-
-    @property
-    def pickable(self) -> bool:
-        return self.healthy and not self.draining
-
-    def as_json(self) -> dict[str, object]:
-        return {
-            "address": self.address,
-            "healthy": self.healthy,
-            "draining": self.draining,
-            "ready": self.ready if self.readiness != "n/a" else None,
-            "readiness": self.readiness,
-            "tier": self.tier,
-            "rtt_seconds": self.rtt_seconds,
-            "active_connections": self.active_connections,
-            "total_connections": self.total_connections,
-            "last_check_error": self.last_check_error,
-        }
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    upstreams: tuple[UpstreamView, ...]
-    connections_active: int
-    max_connections: int
-    panic: bool
-    latency_mode: bool
-    readyz_mode: bool
-
-    def get(self, address: str) -> UpstreamView | None:
-        return next((u for u in self.upstreams if u.address == address), None)
+def _started(conn: Tracked) -> float:
+    return conn.started
 
 
 class Registry:
-    """Upstream records, their state transitions, live connections and deadlines."""
+    """Upstream records, live connections, counters and deadlines behind one RLock."""
 
     def __init__(
         self,
         *,
-        metrics: Metrics,
         selection: str = "random",
         readyz: bool = False,
         drain_timeout: float = 30.0,
         max_connections: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
-        probe_now: Callable[[str], None] | None = None,
+        on_change: Callable[[Change], None] | None = None,
     ) -> None:
         self.lock = threading.RLock()
-        self._metrics = metrics
         self._selection = selection
+        self._latency_mode = selection == "latency"
         self._readyz = readyz
         self._drain_timeout = drain_timeout
         self._max_connections = max_connections
         self._clock = clock
         self._rng = rng or random.Random()
-        self._probe_now = probe_now
-        self._ups: dict[str, _Upstream] = {}
+        self._on_change = on_change
+        self._ups: dict[str, _Record] = {}
         self._latency = LatencyTiers()
         self._panic = False
         self._conn_count = 0
+        self._connections_total = 0
         self._closing = False
-        self.on_change: Callable[[], None] | None = None  # ticker wake-up
 
-    # -- wiring -------------------------------------------------------------------
-
-    def set_probe_now(self, fn: Callable[[str], None]) -> None:
-        self._probe_now = fn
-
-    @staticmethod
-    def _run(closers: Iterable[Tracked]) -> None:
-        for conn in closers:
+    def _run(self, fx: _Effects) -> None:
+        """Carry out collected effects; called with the lock released."""
+        for conn in fx.close:
             try:
                 conn.close()
             except Exception:  # a close must never take a caller down
                 log.exception("closing connection failed client=%s", conn.client)
-
-    def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
+        for level, msg, args in fx.logs:
+            log.log(level, msg, *args)
+        if self._on_change is not None:
+            for change in fx.changes:
+                self._on_change(change)
 
     # -- discovery ----------------------------------------------------------------
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         """Make ``endpoints`` the upstream list: add new ones, drain removed ones."""
         wanted = {str(ep): ep for ep in endpoints}
-        to_close: list[Tracked] = []
+        fx = _Effects()
         with self.lock:
             now = self._clock()
             for addr, ep in wanted.items():
-                up = self._ups.get(addr)
-                if up is None:
-                    self._ups[addr] = _Upstream(endpoint=ep)
-                    log.info("upstream added upstream=%s", addr)
-                elif up.draining:
-                    up.draining = False
-                    up.drain_deadline = None
-                    log.info("upstream drain aborted upstream=%s reason=%r", addr, "re-added")
-            for addr, up in list(self._ups.items()):
-                if addr in wanted or up.draining:
+                rec = self._ups.get(addr)
+                if rec is None:
+                    self._ups[addr] = _Record(endpoint=ep)
+                    fx.log(logging.INFO, "upstream added upstream=%s", addr)
+                elif rec.state.draining:
+                    rec.state = sm.undrain(rec.state)
+                    rec.drain_deadline = None
+                    fx.log(logging.INFO, "upstream drain aborted upstream=%s reason=%r", addr,
+                           "re-added")
+            for addr, rec in list(self._ups.items()):
+                if addr in wanted or rec.state.draining:
                     continue
-                up.draining = True
-                up.unready_deadline = None
-                if self._drain_timeout <= 0 or not up.conns:
-                    log.info("upstream removed upstream=%s connections_closed=%d",
-                             addr, len(up.conns))
-                    to_close.extend(self._remove_locked(addr))
+                rec.state = sm.drain(rec.state)
+                rec.unready_deadline = None
+                if self._drain_timeout <= 0 or not rec.conns:
+                    fx.log(logging.INFO, "upstream removed upstream=%s connections_closed=%d",
+                           addr, len(rec.conns))
+                    fx.close.extend(self._remove_locked(addr))
                 else:
-                    up.drain_deadline = now + self._drain_timeout
-                    log.info("upstream draining upstream=%s connections=%d drain_timeout=%gs",
-                             addr, len(up.conns), self._drain_timeout)
-            to_close.extend(self._update_readiness_deadlines_locked(now))
-            self._update_panic_locked()
-        self._run(to_close)
-        self._changed()
+                    rec.drain_deadline = now + self._drain_timeout
+                    fx.log(logging.INFO, "upstream draining upstream=%s connections=%d "
+                           "drain_timeout=%gs", addr, len(rec.conns), self._drain_timeout)
+            self._update_readiness_deadlines_locked(now, fx)
+            self._update_panic_locked(fx)
+            fx.changes.append(Change("endpoints"))
+        self._run(fx)
 
     def _remove_locked(self, addr: str) -> list[Tracked]:
-        up = self._ups.pop(addr)
+        rec = self._ups.pop(addr)
         self._latency.remove(addr)
-        # Counter series go with the upstream; failures reported later are not counted
-        # (record_dial checks membership under this same lock).
-        self._metrics.forget_upstream(addr)
-        conns = list(up.conns.values())
+        conns = list(rec.conns.values())
         self._conn_count -= len(conns)
-        up.conns.clear()
+        rec.conns.clear()
         return conns
 
     # -- selection ----------------------------------------------------------------
 
-    def _candidates_locked(self) -> list[Candidate]:
-        latency = self._selection == "latency"
-        return [
-            Candidate(
-                address=addr,
-                healthy=up.healthy,
-                draining=up.draining,
-                ready=up.readiness is Readiness.READY,
-                tier=self._latency.tier(addr) if latency else None,
-                active=len(up.conns) + up.dialing,
-            )
-            for addr, up in self._ups.items()
-        ]
-
     def pick(self, exclude: Iterable[str] = ()) -> Endpoint | None:
         """The upstream for a new connection, or None when nothing is pickable."""
         with self.lock:
+            tier = self._latency.tier if self._latency_mode else None
             addr = choose(
-                self._candidates_locked(),
+                [Candidate(address=a, healthy=r.state.healthy, draining=r.state.draining,
+                           ready=r.state.readiness is Readiness.READY,
+                           tier=tier(a) if tier is not None else None,
+                           active=len(r.conns) + r.dialing)
+                 for a, r in self._ups.items()],
                 mode=self._selection,
                 readyz=self._readyz,
                 rng=self._rng,
@@ -249,201 +207,135 @@ class Registry:
             )
             if addr is None:
                 return None
-            up = self._ups[addr]
+            rec = self._ups[addr]
             # Counted until attach() or abandon(), so concurrent picks see each other.
-            up.dialing += 1
-            return up.endpoint
+            rec.dialing += 1
+            return rec.endpoint
 
     def any_pickable(self, exclude: Iterable[str] = ()) -> bool:
         skip = frozenset(exclude)
         with self.lock:
-            return any(u.healthy and not u.draining and a not in skip
-                       for a, u in self._ups.items())
+            return any(r.state.pickable and a not in skip for a, r in self._ups.items())
 
     def abandon(self, addr: str) -> None:
         """A picked upstream was not used after all (its dial failed)."""
         with self.lock:
-            up = self._ups.get(addr)
-            if up is not None and up.dialing > 0:
-                up.dialing -= 1
+            rec = self._ups.get(addr)
+            if rec is not None and rec.dialing > 0:
+                rec.dialing -= 1
 
     def panic_order(self, exclude: Iterable[str] = ()) -> list[Endpoint]:
         """Every non-draining upstream, most recently successful first (panic mode)."""
         skip = frozenset(exclude)
         with self.lock:
-            ups = [u for a, u in self._ups.items() if not u.draining and a not in skip]
-            ups.sort(key=lambda u: u.last_success, reverse=True)
-            return [u.endpoint for u in ups]
+            recs = [r for a, r in self._ups.items() if not r.state.draining and a not in skip]
+            recs.sort(key=_last_success, reverse=True)
+            return [r.endpoint for r in recs]
 
-    def _update_panic_locked(self) -> None:
-        panic = bool(self._ups) and not any(u.healthy and not u.draining
-                                            for u in self._ups.values())
+    def _update_panic_locked(self, fx: _Effects) -> None:
+        panic = bool(self._ups) and not any(r.state.pickable for r in self._ups.values())
         if panic != self._panic:
             self._panic = panic
             if panic:
-                log.warning("panic: no upstream is healthy; new connections try every "
-                            "known upstream upstreams=%d", len(self._ups))
+                fx.log(logging.WARNING, "panic: no upstream is healthy; new connections try "
+                       "every known upstream upstreams=%d", len(self._ups))
             else:
-                log.info("panic over: an upstream is healthy again")
+                fx.log(logging.INFO, "panic over: an upstream is healthy again")
 
     # -- health -------------------------------------------------------------------
 
-    def _tcp_result_locked(self, addr: str, up: _Upstream, ok: bool, reason: str,
-                           source: str) -> bool:
-        """Feed one TCP outcome into the streak; True when the health state flipped."""
-        if ok:
-            up.fail_streak = 0
-            up.last_success = self._clock()
-            if not up.healthy:
-                up.healthy = True
-                log.info("upstream unhealthy->healthy upstream=%s reason=%r", addr,
-                         f"{source} succeeded")
-                return True
-            return False
-        up.fail_streak += 1
-        if self._readyz:
-            up.tcp_failed_since_probe = True
-        if up.healthy and up.fail_streak >= FAILURE_THRESHOLD:
-            up.healthy = False
-            log.warning("upstream healthy->unhealthy upstream=%s reason=%r", addr,
-                        f"{source}: {reason}")
-            if self._readyz and up.readiness is Readiness.READY:
-                # It failed its probes at the TCP level: a partitioned or frozen API
-                # server must lose its long-lived connections like an unready one,
-                # instead of holding them until keepalive gives up.
-                up.readiness = Readiness.UNREADY
-                log.info("upstream ready->unready upstream=%s reason=%r", addr,
-                         f"TCP {source} failed")
-            return True
-        return False
-
     def record_probe(self, addr: str, result: ProbeResult) -> None:
         """Feed one health check (TCP, and readyz when enabled) into the state machine."""
-        to_close: list[Tracked] = []
+        fx = _Effects()
         with self.lock:
-            up = self._ups.get(addr)
-            if up is None or up.draining:
+            rec = self._ups.get(addr)
+            if rec is None or rec.state.lifecycle not in sm.TAKES_CHECKS:
                 return  # checks stop while an upstream drains; removed ones are gone
-            before_error = up.last_check_error
-            self._tcp_result_locked(addr, up, result.ok, result.reason, "probe")
-            if result.ok and self._selection == "latency" and result.rtt is not None:
-                self._latency.observe(addr, result.rtt)
-            if result.ok and self._readyz and result.ready is not None:
-                self._ready_result_locked(addr, up, result.ready, result.ready_reason)
-            up.last_check_error = result.reason or result.ready_reason
-            if up.last_check_error and up.last_check_error != before_error:
-                log.info("upstream check failed upstream=%s reason=%r", addr,
-                         up.last_check_error)
-            to_close.extend(self._update_readiness_deadlines_locked(self._clock()))
-            self._update_panic_locked()
-        self._run(to_close)
-        # No ticker wake-up here: the probe thread wakes it when it finishes.
-
-    def _ready_result_locked(self, addr: str, up: _Upstream, ready: bool, reason: str) -> None:
-        before = up.readiness
-        fresh = up.readiness is Readiness.PENDING or up.tcp_failed_since_probe
-        up.tcp_failed_since_probe = False
-        up.probed_ready = True
-        if ready:
-            up.ready_fail_streak = 0
-            up.readiness = Readiness.READY
-        else:
-            up.ready_fail_streak += 1
-            # After a reset the upstream already counts as not ready, so one failed
-            # probe settles it; otherwise two in a row are needed (spec).
-            if fresh or up.ready_fail_streak >= FAILURE_THRESHOLD:
-                up.readiness = Readiness.UNREADY
-        if up.readiness is not before:
-            log.info("upstream %s->%s upstream=%s reason=%r", before.value, up.readiness.value,
-                     addr, reason or "readyz 200")
+            if result.ok:
+                rec.last_success = self._clock()
+                if self._latency_mode and result.rtt is not None:
+                    self._latency.observe(addr, result.rtt)
+            rec.state, transitions = sm.on_probe(rec.state, result, readyz=self._readyz)
+            fx.transitions(addr, transitions)
+            self._update_readiness_deadlines_locked(self._clock(), fx)
+            self._update_panic_locked(fx)
+        # No change notice: the probe thread wakes the ticker when it finishes.
+        self._run(fx)
 
     def record_dial(self, addr: str, ok: bool, reason: str = "", *, count_error: bool = True
                     ) -> None:
         """A client dial's outcome counts toward the same streak as health checks."""
-        probe = False
         with self.lock:
-            up = self._ups.get(addr)
-            if up is None:
+            rec = self._ups.get(addr)
+            if rec is None:
                 return  # removed: failures are not counted until it is added again
             if not ok and count_error:
-                self._metrics.connection_errors_total.labels(upstream=addr).inc()
-            if up.draining:
+                rec.connection_errors += 1
+            if rec.state.draining:
                 return
-            if ok and up.fail_streak == 0 and not up.tcp_failed_since_probe:
-                up.last_success = self._clock()
+            if ok:
+                rec.last_success = self._clock()
+            state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)
+            if state is rec.state:
                 return  # the common case: nothing to change, nobody to wake
-            was_failed = up.tcp_failed_since_probe
-            flipped = self._tcp_result_locked(addr, up, ok, reason, "dial")
-            if ok and self._readyz and was_failed:
-                # Reachable again after a TCP failure: not ready until the probe that
-                # runs right now passes.
-                if up.readiness is not Readiness.PENDING:
-                    log.info("upstream %s->pending upstream=%s reason=%r",
-                             up.readiness.value, addr, "reachable again after TCP failure")
-                up.readiness = Readiness.PENDING
-                up.ready_fail_streak = 0
-                probe = True
-            to_close = self._update_readiness_deadlines_locked(self._clock()) if flipped else []
-            self._update_panic_locked()
-        self._run(to_close)
-        if probe and self._probe_now is not None:
-            self._probe_now(addr)
-        if flipped:
-            self._changed()
+            rec.state = state
+            fx = _Effects()
+            fx.transitions(addr, transitions)
+            flipped = any(t.health_flipped for t in transitions)
+            if flipped:
+                self._update_readiness_deadlines_locked(self._clock(), fx)
+            self._update_panic_locked(fx)
+            if probe:
+                fx.changes.append(Change("probe-now", addr))
+            if flipped:
+                fx.changes.append(Change("health", addr))
+        self._run(fx)
 
     # -- readiness-driven connection moves ----------------------------------------
 
-    def _update_readiness_deadlines_locked(self, now: float) -> list[Tracked]:
+    def _update_readiness_deadlines_locked(self, now: float, fx: _Effects) -> None:
         if not self._readyz:
-            return []
-        to_close: list[Tracked] = []
-        ready_addrs = {a for a, u in self._ups.items()
-                       if u.healthy and not u.draining and u.readiness is Readiness.READY}
-        for addr, up in self._ups.items():
-            should = (up.readiness is Readiness.UNREADY and not up.draining
-                      and bool(ready_addrs - {addr}))
-            if should and up.unready_deadline is None:
-                if self._drain_timeout <= 0:
-                    to_close.extend(self._close_conns_locked(addr, up, "unready"))
-                    continue
-                up.unready_deadline = now + self._drain_timeout
-                if up.conns:
-                    log.info("upstream unready; closing its connections after drain timeout "
-                             "upstream=%s connections=%d drain_timeout=%gs", addr,
-                             len(up.conns), self._drain_timeout)
-            elif not should and up.unready_deadline is not None:
-                up.unready_deadline = None
-                log.info("upstream connection close called off upstream=%s reason=%r", addr,
-                         "ready again" if up.readiness is not Readiness.UNREADY
-                         else "no other upstream is ready")
-            elif should and up.unready_deadline is not None and now >= up.unready_deadline:
-                to_close.extend(self._close_conns_locked(addr, up, "unready"))
-                up.unready_deadline = now + self._drain_timeout
-        return to_close
+            return
+        ready_addrs = {a for a, r in self._ups.items() if r.state.pickable and r.state.ready}
+        for addr, rec in self._ups.items():
+            rec.unready_deadline, close, what = sm.unready_close(
+                rec.state, bool(ready_addrs - {addr}), rec.unready_deadline, now,
+                self._drain_timeout)
+            if close:
+                self._close_conns_locked(addr, rec, fx)
+            elif what == "scheduled" and rec.conns:
+                fx.log(logging.INFO, "upstream unready; closing its connections after "
+                       "drain timeout upstream=%s connections=%d drain_timeout=%gs", addr,
+                       len(rec.conns), self._drain_timeout)
+            elif what and what != "scheduled":
+                fx.log(logging.INFO, "upstream connection close called off upstream=%s "
+                       "reason=%r", addr, what)
 
-    def _close_conns_locked(self, addr: str, up: _Upstream, why: str) -> list[Tracked]:
-        conns = list(up.conns.values())
+    @staticmethod
+    def _close_conns_locked(addr: str, rec: _Record, fx: _Effects) -> None:
+        conns = list(rec.conns.values())
         if conns:
-            log.info("closing connections upstream=%s connections=%d reason=%r",
-                     addr, len(conns), why)
+            fx.log(logging.INFO, "closing connections upstream=%s connections=%d reason=%r",
+                   addr, len(conns), "unready")
         # Pipes detach themselves when their thread notices the close.
-        return conns
+        fx.close.extend(conns)
 
     def tick(self) -> float | None:
         """Expire drain and readiness deadlines; return the next deadline, if any."""
-        to_close: list[Tracked] = []
+        fx = _Effects()
         with self.lock:
             now = self._clock()
-            for addr, up in list(self._ups.items()):
-                if up.draining and up.drain_deadline is not None and now >= up.drain_deadline:
-                    log.info("upstream drain timeout; force-closing upstream=%s connections=%d",
-                             addr, len(up.conns))
-                    to_close.extend(self._remove_locked(addr))
-            to_close.extend(self._update_readiness_deadlines_locked(now))
-            self._update_panic_locked()
-            deadlines = [d for u in self._ups.values()
-                         for d in (u.drain_deadline, u.unready_deadline) if d is not None]
-        self._run(to_close)
+            for addr, rec in list(self._ups.items()):
+                if (rec.state.draining and rec.drain_deadline is not None
+                        and now >= rec.drain_deadline):
+                    fx.log(logging.INFO, "upstream drain timeout; force-closing upstream=%s "
+                           "connections=%d", addr, len(rec.conns))
+                    fx.close.extend(self._remove_locked(addr))
+            self._update_readiness_deadlines_locked(now, fx)
+            self._update_panic_locked(fx)
+            deadlines = [d for r in self._ups.values()
+                         for d in (r.drain_deadline, r.unready_deadline) if d is not None]
+        self._run(fx)
         return min(deadlines) if deadlines else None
 
     # -- connections --------------------------------------------------------------
@@ -451,34 +343,46 @@ class Registry:
     def attach(self, addr: str, conn: Tracked) -> bool:
         """Track a connection that just dialed ``addr``; False if it drains or left."""
         with self.lock:
-            up = self._ups.get(addr)
-            if up is not None and up.dialing > 0:
-                up.dialing -= 1
-            if up is None or up.draining or self._closing:
+            rec = self._ups.get(addr)
+            if rec is not None and rec.dialing > 0:
+                rec.dialing -= 1
+            if rec is None or rec.state.draining or self._closing:
                 return False
-            up.conns[id(conn)] = conn
-            up.total_connections += 1
+            rec.conns[id(conn)] = conn
+            rec.total_connections += 1
             self._conn_count += 1
-            self._metrics.connections_total.inc()
+            self._connections_total += 1
             return True
 
     def detach(self, addr: str, conn: Tracked) -> None:
         with self.lock:
-            up = self._ups.get(addr)
-            if up is None or up.conns.pop(id(conn), None) is None:
+            rec = self._ups.get(addr)
+            if rec is None or rec.conns.pop(id(conn), None) is None:
                 return
             self._conn_count -= 1
-            if up.draining and not up.conns:
-                log.info("upstream drained upstream=%s", addr)
-                self._remove_locked(addr)
+            rec.bytes_up += conn.bytes_up
+            rec.bytes_down += conn.bytes_down
+            if not (rec.state.draining and not rec.conns):
+                return
+            self._remove_locked(addr)
+        log.info("upstream drained upstream=%s", addr)
 
     def close_all(self) -> int:
         """Shutdown: refuse new attaches and force-close every live connection."""
+        fx = _Effects()
         with self.lock:
             self._closing = True
+            fx.close = [c for r in self._ups.values() for c in r.conns.values()]
+        self._run(fx)
+        return len(fx.close)
+
+    def live_connections(self) -> list[Tracked]:
+        """Every tracked connection, oldest first (the shutdown drain closes them one
+        by one, outside the lock)."""
+        with self.lock:
             conns = [c for up in self._ups.values() for c in up.conns.values()]
-        self._run(conns)
-        return len(conns)
+        conns.sort(key=_started)
+        return conns
 
     @property
     def closing(self) -> bool:
@@ -488,46 +392,42 @@ class Registry:
 
     def probe_targets(self) -> list[Endpoint]:
         with self.lock:
-            return [u.endpoint for u in self._ups.values() if not u.draining]
+            return [r.endpoint for r in self._ups.values()
+                    if r.state.lifecycle in sm.TAKES_CHECKS]
 
-    def connection_count(self) -> int:
+    def snapshot(self, *, connections: bool = False) -> Snapshot:
+        """A frozen copy of every upstream (and, if asked, every live connection)."""
         with self.lock:
-            return self._conn_count
-
-    def connections(self) -> list[ConnView]:
-        with self.lock:
-            return [ConnView(c.client, a, c.started, c.bytes_up, c.bytes_down)
-                    for a, u in self._ups.items() for c in u.conns.values()]
-
-    def snapshot(self) -> Snapshot:
-        with self.lock:
-            latency = self._selection == "latency"
+            latency, readyz = self._latency_mode, self._readyz
             views = tuple(
-                UpstreamView(
-                    address=addr,
-                    healthy=up.healthy,
-                    draining=up.draining,
-                    ready=up.readiness is Readiness.READY,
-                    readiness=up.readiness.value if self._readyz else "n/a",
-                    probed_ready=up.probed_ready,
+                UpstreamView.of(
+                    addr, r.state, readyz=readyz,
                     tier=self._latency.tier(addr) if latency else None,
-                    rtt_seconds=self._latency.average(addr) if latency else None,
-                    active_connections=len(up.conns),
-                    total_connections=up.total_connections,
-                    last_check_error=up.last_check_error,
-                )
-                for addr, up in sorted(self._ups.items())
+                    rtt=self._latency.average(addr) if latency else None,
+                    active=len(r.conns), total=r.total_connections, errors=r.connection_errors,
+                    bytes_up=r.bytes_up + sum(c.bytes_up for c in r.conns.values()),
+                    bytes_down=r.bytes_down + sum(c.bytes_down for c in r.conns.values()))
+                for addr, r in sorted(self._ups.items())
             )
+            conns = tuple(ConnView(c.client, a, c.started, c.bytes_up, c.bytes_down)
+                          for a, r in self._ups.items() for c in r.conns.values()
+                          ) if connections else ()
             return Snapshot(
                 upstreams=views,
                 connections_active=self._conn_count,
                 max_connections=self._max_connections,
                 panic=self._panic,
                 latency_mode=latency,
-                readyz_mode=self._readyz,
+                readyz_mode=readyz,
+                connections_total=self._connections_total,
+                connections=conns,
             )
 
     def healthy(self) -> bool:
-        """At least one upstream is healthy and not draining (the proxy's /readyz)."""
+        """At least one upstream is pickable (the proxy's /readyz)."""
         with self.lock:
-            return any(u.healthy and not u.draining for u in self._ups.values())
+            return any(r.state.pickable for r in self._ups.values())
+
+
+def _last_success(rec: _Record) -> float:
+    return rec.last_success

@@ -23,6 +23,8 @@ import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from extractedprism.upstream import pickable
+
 MODES = ("random", "latency", "least-conn")
 
 
@@ -44,7 +46,7 @@ def choose(candidates: Sequence[Candidate], *, mode: str, readyz: bool, rng: ran
     if mode not in MODES:
         raise ValueError(f"unknown selection mode {mode!r}")
     pool = [c for c in candidates
-            if c.healthy and not c.draining and (not exclude or c.address not in exclude)]
+            if pickable(c) and (not exclude or c.address not in exclude)]
     if not pool:
         return None
     if readyz:

@@ -45,7 +45,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from extractedprism.endpoints import Endpoint, is_rfc1123_hostname
+from extractedprism.endpoints import Endpoint, canonical_host, is_rfc1123_hostname
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def _valid_address(address: Any, address_type: str) -> str | None:
         # A zone index (fe80::1%eth0) names an interface of the API server's host,
         # meaningless here; the API rejects it as well.
         return None if getattr(ip, "scope_id", None) else str(ip)
-    return address.lower() if is_rfc1123_hostname(address) else None
+    return canonical_host(address) if is_rfc1123_hostname(address) else None
 
 
 def _ready(entry: Mapping[str, Any], name: str, field: str) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from extractedprism.endpoints import Endpoint
 from extractedprism.probes import ProbeResult, ReadyzSettings, probe
-from extractedprism.registry import Registry
+from extractedprism.registry import Change, Registry
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,13 @@ class Ticker:
     def wake(self) -> None:
         self._wake.set()
 
+    def registry_changed(self, change: Change) -> None:
+        """The registry's change listener: new upstreams, a health flip, a probe due now."""
+        if change.what == "probe-now":
+            self.probe_now(change.address)
+        else:
+            self.wake()
+
     def probe_now(self, address: str) -> None:
         """Schedule an immediate probe of ``address`` (readiness reset after a dial)."""
         with self._lock:
@@ -69,7 +76,12 @@ class Ticker:
             probes = list(self._in_flight.values())
         for t in probes:
             t.join(max(0.0, deadline - time.monotonic()))
-        return not (self._thread is not None and self._thread.is_alive())
+        stuck = [t for t in [self._thread, *probes] if t is not None and t.is_alive()]
+        for t in stuck:
+            # A daemon: abandoned, never waited for again (a probe can sit in
+            # getaddrinfo far beyond any timeout of ours).
+            log.warning("thread outlived its shutdown deadline; abandoned thread=%s", t.name)
+        return not stuck
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -128,3 +128,16 @@ class FixedRandom(random.Random):
 
     def random(self) -> float:
         return self.value
+
+
+# --- reading product state the way its readers do: through snapshot() -------------
+
+
+def live_connections(registry: Any) -> tuple[Any, ...]:
+    """Every live proxied connection (``ConnView``) of a Registry."""
+    return registry.snapshot(connections=True).connections  # type: ignore[no-any-return]
+
+
+def connection_count(registry: Any) -> int:
+    """How many proxied connections a Registry tracks right now."""
+    return registry.snapshot().connections_active  # type: ignore[no-any-return]

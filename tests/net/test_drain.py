@@ -8,7 +8,7 @@ import time
 
 from extractedprism.endpoints import Endpoint
 from tests.net.test_proxy import connect, read_line, whoami
-from tests.util import http, wait_until
+from tests.util import connection_count, http, live_connections, wait_until
 
 
 def open_to(app, name: str, want: int = 1, limit: int = 200) -> list[socket.socket]:  # type: ignore[no-untyped-def]
@@ -121,7 +121,7 @@ def test_connection_tracking_and_per_upstream_gauge(make_app, servers):
         assert read_line(c) == "up0"
         c.sendall(b"x" * 1000 + b"\n")
         assert len(read_line(c)) == 1000
-    views = wait_until(lambda: len(app.registry.connections()) == 3 and app.registry.connections())
+    views = wait_until(lambda: (len(conns := live_connections(app.registry)) == 3) and conns)
     for v in views:
         assert v.upstream == ups[0].address
         assert v.client.startswith("127.0.0.1:")
@@ -131,7 +131,7 @@ def test_connection_tracking_and_per_upstream_gauge(make_app, servers):
     assert "extractedprism_connections_active 3.0" in text
     for c in conns:
         c.close()
-    wait_until(lambda: app.registry.connection_count() == 0, 5)
+    wait_until(lambda: connection_count(app.registry) == 0, 5)
 
 
 def test_drain_race_retries_on_another_upstream(make_app, servers):
@@ -187,7 +187,7 @@ def test_max_connections_backpressure(make_app, servers):
         raise AssertionError("third connection was served beyond --max-connections")
     except TimeoutError:
         pass
-    assert app.registry.connection_count() == 2
+    assert connection_count(app.registry) == 2
     a.close()
     c.settimeout(5)
     assert read_line(c) == "up0"  # served as soon as a slot freed

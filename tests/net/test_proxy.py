@@ -19,12 +19,11 @@ import pytest
 from extractedprism import gilcall
 from extractedprism import pipe as pipe_mod
 from extractedprism.endpoints import Endpoint
-from extractedprism.metrics import Metrics
 from extractedprism.proxy import Proxy
 from extractedprism.registry import Registry
 from extractedprism.sockopts import USER_TIMEOUT_MS
 from tests.fakes.upstream import EchoServer
-from tests.util import http, wait_until
+from tests.util import connection_count, http, live_connections, wait_until
 
 
 def connect(app, timeout: float = 5.0) -> socket.socket:  # type: ignore[no-untyped-def]
@@ -105,7 +104,7 @@ def test_large_payload_both_ways_intact(make_app, servers, monkeypatch, mode):
         assert calls["_splice_in"] > 100 and calls["_splice_out"] > 100
     else:
         assert not calls
-    wait_until(lambda: app.registry.connection_count() == 0, 5)
+    wait_until(lambda: connection_count(app.registry) == 0, 5)
 
 
 @pytest.mark.parametrize("mode", ["splice", "buffer"])
@@ -185,7 +184,7 @@ def test_reset_from_upstream_closes_client(make_app):
             with pytest.raises(ConnectionResetError):
                 s.recv(10)  # the upstream's reset is passed on to the client
         assert resets
-        wait_until(lambda: app.registry.connection_count() == 0, 5)
+        wait_until(lambda: connection_count(app.registry) == 0, 5)
 
 
 def test_200_concurrent_connections_intact(make_app, servers):
@@ -228,7 +227,7 @@ def test_socket_options_on_both_sides(make_app, servers):
     app = make_app([up.endpoint])
     with connect(app) as s:
         read_line(s)
-        snap = wait_until(lambda: app.registry.connections(), 5)
+        snap = wait_until(lambda: live_connections(app.registry), 5)
         assert snap
         # Read back the options the pipe thread applied to the proxy's sockets.
         pipes = [c for u in app.registry._ups.values() for c in u.conns.values()]
@@ -322,14 +321,14 @@ def test_no_thread_or_fd_growth_after_1000_short_connections(make_app, servers):
     app = make_app([u.endpoint for u in ups])
     for _ in range(50):  # warm the pool
         whoami(app)
-    wait_until(lambda: app.registry.connection_count() == 0, 5)
+    wait_until(lambda: connection_count(app.registry) == 0, 5)
     threads0, (other0, pipes0) = pipe_threads(), fds()
     # LIFO hand-off: a sequential client keeps landing on the same few hot threads, so
     # only they have made kernel pipes (a FIFO queue would have cycled through ~50).
     assert pipes0 - pipes_base <= 4 * 4
     for _ in range(1000):
         whoami(app)
-    wait_until(lambda: app.registry.connection_count() == 0, 5)
+    wait_until(lambda: connection_count(app.registry) == 0, 5)
     # The pre-started pool serves a sequential client without new threads.
     assert pipe_threads() <= threads0
     wait_until(lambda: fds()[0] <= other0, 5, message=f"socket fds back to {other0}")
@@ -393,7 +392,7 @@ class _ListenerOutOfFds:
 
 def test_accept_out_of_descriptors_warns_once_per_episode(servers, caplog):
     (up,) = servers(1)
-    reg = Registry(metrics=Metrics(), selection="random", readyz=False, drain_timeout=1.0,
+    reg = Registry(selection="random", readyz=False, drain_timeout=1.0,
                    max_connections=16)
     reg.set_endpoints([up.endpoint])
     px = Proxy(reg, bind_address="127.0.0.1", bind_port=0, dial_timeout=1.0,

@@ -9,7 +9,7 @@ import time
 
 from extractedprism.probes import probe
 from tests.net.test_proxy import connect, read_line, whoami
-from tests.util import first_checks_recorded, http, wait_until
+from tests.util import first_checks_recorded, http, live_connections, wait_until
 
 
 def test_least_conn_spreads_300_long_lived_connections_evenly(make_app, servers):
@@ -40,7 +40,7 @@ def test_least_conn_sends_new_connections_to_a_recovered_upstream(make_app, serv
                      for u in ups}
         assert sorted(ups_conns.values()) == [5, 5]
         # Close the ones on up0 (as after a restart): the next five all go to up0.
-        on_up0 = {c.client for c in app.registry.connections() if c.upstream == ups[0].address}
+        on_up0 = {c.client for c in live_connections(app.registry) if c.upstream == ups[0].address}
         for s in held:
             if "{}:{}".format(*s.getsockname()[:2]) in on_up0:
                 s.close()

@@ -139,7 +139,7 @@ from extractedprism.httpd import HealthServer
 from extractedprism.metrics import Metrics
 from extractedprism.registry import Registry
 m = Metrics()
-srv = HealthServer(Registry(metrics=m), m, lambda: True, host="127.0.0.1", port=0)
+srv = HealthServer(Registry(), m, lambda: True, host="127.0.0.1", port=0)
 srv.start()
 print(srv.address[1], flush=True)
 held = []

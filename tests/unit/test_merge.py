@@ -91,3 +91,29 @@ def test_thread_safe_updates_end_consistent(setup: Setup) -> None:
                           {"provider": "kubernetes"}) == 801
     for a, b in itertools.pairwise(applied):
         assert a != b
+
+
+def test_hostnames_dedupe_case_insensitively_and_without_the_root_dot(setup: Setup) -> None:
+    # --endpoints CP1.example.com:6443 and an EndpointSlice FQDN cp1.example.com. are one
+    # upstream: not two with a doubled share of the picks and duplicated series.
+    from extractedprism.slices import endpoints_from_slices
+    from tests.unit.test_slices import make_slice
+
+    m, applied, _ = setup
+    m.update("static", eps("CP1.example.com:6443", "10.0.0.2:6443"))
+    discovered = endpoints_from_slices([make_slice(
+        address_type="FQDN", addresses=["cp1.example.com.", "Cp1.Example.Com"])])
+    m.update("kubernetes", discovered)
+    assert [str(e) for e in applied[-1]] == ["cp1.example.com:6443", "10.0.0.2:6443"]
+    assert len(applied) == 1  # the discovered list changed nothing
+
+
+@pytest.mark.parametrize("a,b", [
+    ("CP1.example.com:6443", "cp1.example.com:6443"),
+    ("cp1.example.com.:6443", "cp1.example.com:6443"),
+    ("[FD00:0::1]:6443", "[fd00::1]:6443"),
+])
+def test_one_spelling_per_endpoint(a: str, b: str) -> None:
+    assert parse_endpoint(a) == parse_endpoint(b)
+    assert Endpoint(parse_endpoint(a).host.upper(), 6443) == parse_endpoint(b)
+    assert str(parse_endpoint(a)) == b

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 
 import pytest
 
 from extractedprism.endpoints import Endpoint
 from extractedprism.metrics import Metrics
 from extractedprism.probes import ProbeResult
-from extractedprism.registry import Registry
+from extractedprism.registry import Change, Registry
 
 A, B, C = "10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"
 EPS = [Endpoint("10.0.0.1", 6443), Endpoint("10.0.0.2", 6443), Endpoint("10.0.0.3", 6443)]
@@ -48,8 +50,13 @@ class Conn:
 def make(readyz: bool = False, drain: float = 30.0, selection: str = "random"
          ) -> tuple[Registry, Clock, Metrics, list[str]]:
     clock, metrics, probes = Clock(), Metrics(), []
-    reg = Registry(metrics=metrics, readyz=readyz, drain_timeout=drain, clock=clock,
-                   selection=selection, rng=random.Random(1), probe_now=probes.append)
+
+    def changed(change: Change) -> None:
+        if change.what == "probe-now":
+            probes.append(change.address)
+
+    reg = Registry(readyz=readyz, drain_timeout=drain, clock=clock,
+                   selection=selection, rng=random.Random(1), on_change=changed)
     metrics.attach_state(reg.snapshot)
     reg.set_endpoints(EPS)
     return reg, clock, metrics, probes
@@ -256,3 +263,125 @@ def test_tcp_unhealthy_upstream_loses_connections_in_readyz_mode():
     reg.record_probe(A, ready(True))  # back and ready: one probe restores both
     snap = reg.snapshot().get(A)
     assert snap.healthy and snap.readiness == "ready"
+
+
+# --- issue 12, items 7 and 8 -------------------------------------------------------
+
+
+class _StallingHandler(logging.Handler):
+    """A log handler that blocks like a write to a full stderr pipe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.unblock = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.entered.set()
+        self.unblock.wait(30)
+
+
+def test_a_stalled_log_handler_does_not_stall_pick():
+    reg, *_ = make()
+    handler = _StallingHandler()
+    logger = logging.getLogger("extractedprism.registry")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    writer = threading.Thread(name="test-set-endpoints", target=reg.set_endpoints,
+                              args=(EPS[:2],))  # logs "upstream removed"
+    picked: list[object] = []
+    picker = threading.Thread(name="test-pick", target=lambda: picked.append(reg.pick()))
+    try:
+        writer.start()
+        assert handler.entered.wait(10), "set_endpoints logged nothing"
+        picker.start()
+        picker.join(10)
+        # The old registry logged under its lock: pick() waited for the handler.
+        assert not picker.is_alive(), "pick() waited for a log handler"
+        assert picked and picked[0] in EPS[:2]
+    finally:
+        handler.unblock.set()
+        writer.join(10)
+        picker.join(10)
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+def test_counters_are_registry_state_exported_at_scrape_time():
+    reg, _, metrics, _ = make(drain=30)
+    c = Conn("c")
+    assert reg.attach(A, c)
+    c.bytes_up, c.bytes_down = 10, 200
+    reg.record_dial(A, False, "refused")
+    reg.record_dial(B, False, "refused", count_error=False)  # shutdown / panic: not counted
+    snap = reg.snapshot()
+    assert (snap.connections_total, snap.get(A).connection_errors) == (1, 1)
+    assert snap.get(B).connection_errors == 0
+    assert (snap.get(A).bytes_up, snap.get(A).bytes_down) == (10, 200)
+    assert metrics.sample("extractedprism_connections_total") == 1
+    assert metrics.sample("extractedprism_connection_errors_total", {"upstream": A}) == 1
+    assert metrics.sample("extractedprism_upstream_bytes_total",
+                          {"upstream": A, "direction": "down"}) == 200
+    reg.detach(A, c)  # finished connections' bytes stay with the record
+    assert reg.snapshot().get(A).bytes_down == 200
+    reg.set_endpoints(EPS[1:])  # no connections left: removed at once
+    assert metrics.sample("extractedprism_connection_errors_total", {"upstream": A}) is None
+    assert metrics.sample("extractedprism_upstream_bytes_total",
+                          {"upstream": A, "direction": "down"}) is None
+    assert metrics.sample("extractedprism_connections_total") == 1  # global: keeps counting
+
+
+def test_the_registry_needs_no_metrics_object():
+    import inspect
+
+    assert "metrics" not in inspect.signature(Registry).parameters
+    import extractedprism.registry as registry_module
+    assert "extractedprism.metrics" not in inspect.getsource(registry_module)
+
+
+def _lock_free_elsewhere(reg: Registry) -> bool:
+    got: list[bool] = []
+
+    def take() -> None:
+        if reg.lock.acquire(timeout=5):
+            reg.lock.release()
+            got.append(True)
+
+    t = threading.Thread(name="test-lock-probe", target=take)
+    t.start()
+    t.join(10)
+    return bool(got)
+
+
+def test_changes_reach_the_one_listener_after_the_lock_is_released():
+    seen: list[tuple[str, bool]] = []
+
+    def listener(change: Change) -> None:
+        seen.append((change.what, _lock_free_elsewhere(reg)))
+
+    reg = Registry(readyz=True, on_change=listener)
+    reg.set_endpoints(EPS)
+    reg.record_probe(A, ready(True))
+    reg.record_dial(A, False, "refused")
+    reg.record_dial(A, False, "refused")
+    reg.record_dial(A, True)
+    assert seen == [("endpoints", True), ("health", True), ("probe-now", True),
+                    ("health", True)]
+
+
+def test_latency_issue_12_example_new_fast_upstream_shares_tier_zero():
+    # A = 1.0 ms and B = 3.48 ms share a tier (B by hysteresis); C arrives at 0.4 ms.
+    # The spec's tier 0 is {C, A}: new connections go to both, not to C alone.
+    reg, *_ = make(selection="latency")
+    reg.set_endpoints(EPS[:2])
+    reg.record_probe(A, ProbeResult(True, 0.001, ""))
+    reg.record_probe(B, ProbeResult(True, 0.0029, ""))
+    reg.record_probe(B, ProbeResult(True, 0.0029 + (0.00348 - 0.0029) / 0.3, ""))
+    assert reg.snapshot().get(B).rtt_seconds == pytest.approx(0.00348)
+    assert (reg.snapshot().get(A).tier, reg.snapshot().get(B).tier) == (0, 0)
+    reg.set_endpoints(EPS)
+    reg.record_probe(C, ProbeResult(True, 0.0004, ""))
+    snap = reg.snapshot()
+    assert (snap.get(C).tier, snap.get(A).tier, snap.get(B).tier) == (0, 0, 1)
+    assert {str(reg.pick()) for _ in range(200)} == {A, C}

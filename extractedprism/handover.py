@@ -1,0 +1,328 @@
+"""Handover: a starting instance takes the listening sockets over from the running one.
+
+HAProxy's ``expose-fd listeners`` / ``-x``, for upgrades without a gap. The running
+instance offers its listening sockets (the proxy's and the health server's) on a unix
+socket, ``--handover-socket`` (mode 0600). An instance that starts and finds it there
+connects, receives the listener file descriptors (SCM_RIGHTS), starts accepting on them,
+and only then says which ones it took; the old instance then stops accepting on those
+(within ``proxy.ACCEPT_WAKE_S``), keeps serving the connections it has, and waits for
+SIGTERM. The new instance becomes the one that offers, for the next upgrade.
+
+Why the socket itself and not SO_REUSEPORT: with SO_REUSEPORT each process has its own
+listening socket and its own accept queue, and the connections queued on the socket of
+the process that stops are reset when it closes. Here both processes hold the *same*
+socket for a moment, so there is one queue: whatever is in it when the old instance
+stops accepting is accepted by the new one, and the socket is never closed by the old
+instance before the new one has it (a listener the successor did not take is never
+closed by the handover at all).
+
+Protocol (one connection, both sides bounded in time): the offerer sends one line of
+JSON ``{"version": 1, "pid": N, "listeners": ["proxy", "health"]}`` carrying the
+descriptors in that order; the taker answers ``{"taken": [...]}`` once it accepts on
+those. A connection that ends without an answer takes nothing: the offerer goes on as
+before and keeps offering. A socket file nobody answers on (an instance that died) is
+removed and the start is an ordinary one.
+
+Threads: ``handover-offer`` (offerer side) accepts one successor at a time. The taking
+side runs on the main thread during start-up.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import json
+import logging
+import os
+import socket
+import stat
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+MAX_MESSAGE = 4096
+MAX_FDS = 8
+OFFER_ACCEPT_WAKE_S = 0.2  # how often the offer thread looks at its stop flag
+# How long each side waits for the other. The taker's start (bind nothing, start
+# threads, import the kubernetes client) takes about a second; ten leave room on a
+# loaded node while bounding a successor that hangs.
+REPLY_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Received:
+    """What a predecessor handed over: listening sockets by name, to use or give back."""
+
+    sockets: dict[str, socket.socket] = field(default_factory=dict)
+    conn: socket.socket | None = None
+    pid: int = 0
+
+    def take(self, name: str) -> socket.socket | None:
+        return self.sockets.pop(name, None)
+
+    def finish(self, taken: Sequence[str]) -> None:
+        """Tell the predecessor which listeners are accepted on here now; sockets not
+        taken are closed here only (the predecessor keeps its own)."""
+        for sock in self.sockets.values():
+            sock.close()
+        self.sockets.clear()
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        try:
+            conn.settimeout(REPLY_TIMEOUT_S)
+            conn.sendall(json.dumps({"taken": list(taken)}).encode() + b"\n")
+            log.info("handover: took over listeners from pid=%d listeners=%s",
+                     self.pid, ",".join(taken) or "-")
+        except OSError as exc:
+            log.warning("handover: could not tell the predecessor pid=%d error=%r; it "
+                        "keeps accepting on the shared listeners too", self.pid, str(exc))
+        finally:
+            conn.close()
+
+    def abort(self) -> None:
+        """Start-up failed: take nothing; the predecessor goes on as before."""
+        for sock in self.sockets.values():
+            sock.close()
+        self.sockets.clear()
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def receive(path: str, timeout: float = CONNECT_TIMEOUT_S) -> Received | None:
+    """Ask the instance offering on ``path`` for its listeners; None when there is none.
+
+    No file: None, silently (no predecessor). A file nobody answers on: removed, None.
+    Anything else that goes wrong: one warning, None (an ordinary start follows; if the
+    ports are still held, that start fails with "in use").
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("handover: cannot use the handover socket path=%s reason=%r",
+                    path, exc.strerror)
+        return None
+    if not stat.S_ISSOCK(st.st_mode):
+        log.warning("handover: not a unix socket; ignored path=%s", path)
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(timeout)
+    try:
+        conn.connect(path)
+    except OSError as exc:
+        conn.close()
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            # A socket file left by an instance that is gone.
+            _unlink_quietly(path)
+            log.info("handover: nobody answers on the handover socket; removed it "
+                     "path=%s", path)
+        else:
+            log.warning("handover: cannot connect to the handover socket path=%s "
+                        "reason=%r", path, exc.strerror or str(exc))
+        return None
+    try:
+        msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE, MAX_FDS)
+    except OSError as exc:
+        conn.close()
+        log.warning("handover: no offer received path=%s reason=%r", path,
+                    exc.strerror or str(exc))
+        return None
+    socks = [socket.socket(fileno=fd) for fd in fds]
+    try:
+        offer = json.loads(msg.decode())
+        names = offer["listeners"]
+        if (offer.get("version") != VERSION or not isinstance(names, list)
+                or len(names) != len(socks) or not all(isinstance(n, str) for n in names)):
+            raise ValueError("unexpected offer")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
+        for s in socks:
+            s.close()
+        conn.close()
+        log.warning("handover: the offer is not one this version understands; ignored "
+                    "path=%s", path)
+        return None
+    received = Received(conn=conn, pid=int(offer.get("pid") or 0))
+    for name, sock in zip(names, socks, strict=True):
+        if sock.type != socket.SOCK_STREAM or not sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.close()  # not a listening TCP socket: not ours to use
+            continue
+        received.sockets[name] = sock
+    log.info("handover: offered listeners pid=%d listeners=%s", received.pid,
+             ",".join(received.sockets) or "-")
+    return received
+
+
+def listener_matches(sock: socket.socket, host: str, port: int) -> bool:
+    """Whether ``sock`` listens where this configuration binds (port 0: any port)."""
+    try:
+        name = sock.getsockname()
+        if port and name[1] != port:
+            return False
+        try:
+            want = [ipaddress.ip_address(host)]
+        except ValueError:  # a hostname, resolved as the listener's own bind resolves it
+            want = [ipaddress.ip_address(info[4][0]) for info in
+                    socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+        return ipaddress.ip_address(name[0].split("%", 1)[0]) in want
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class Offer:
+    """Offers this instance's listeners on the handover socket until stopped.
+
+    ``listeners()`` returns the sockets to offer by name at the time a successor asks;
+    ``on_taken(names)`` runs on the ``handover-offer`` thread when the successor
+    accepts on them (the app stops accepting there). After a handover this instance
+    stops offering: the successor now owns the path.
+    """
+
+    def __init__(self, path: str, listeners: Callable[[], dict[str, socket.socket]],
+                 on_taken: Callable[[list[str]], None]) -> None:
+        self._path = path
+        self._listeners = listeners
+        self._on_taken = on_taken
+        self._stop = threading.Event()
+        self._server: socket.socket | None = None
+        self._inode = 0
+        self._thread: threading.Thread | None = None
+        self.handed_over = False
+        # The listeners were sent and no answer came yet: a successor may be accepting
+        # on them already, so they count as shared (never shut down) until it answers.
+        self.in_flight = False
+
+    def start(self) -> None:
+        """Bind the path (replacing whatever socket file is there, atomically: a
+        predecessor's is renamed over) and start offering. Raises OSError, also for a
+        path that holds something else than a socket (never replaced)."""
+        try:
+            if not stat.S_ISSOCK(os.lstat(self._path).st_mode):
+                raise OSError(errno.EEXIST, "exists and is not a unix socket")
+        except FileNotFoundError:
+            pass
+        tmp = f"{self._path}.{os.getpid()}.tmp"
+        _unlink_quietly(tmp)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            old_umask = os.umask(0o177)  # the file is born 0600, never wider
+            try:
+                server.bind(tmp)
+            finally:
+                os.umask(old_umask)
+            os.chmod(tmp, 0o600)
+            server.listen(4)
+            server.settimeout(OFFER_ACCEPT_WAKE_S)
+            self._inode = os.stat(tmp).st_ino
+            os.rename(tmp, self._path)
+        except OSError:
+            server.close()
+            _unlink_quietly(tmp)
+            raise
+        self._server = server
+        self._thread = threading.Thread(name="handover-offer", target=self._serve,
+                                        daemon=True)
+        self._thread.start()
+        log.info("handover: offering listeners path=%s", self._path)
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop offering; remove the path if it is still this instance's."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("thread outlived its shutdown deadline thread=handover-offer")
+        self._release()
+
+    def _release(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        if self.handed_over:
+            return  # the path is the successor's (renamed over ours, or about to be)
+        try:
+            if os.stat(self._path).st_ino == self._inode:
+                os.unlink(self._path)
+        except OSError:
+            pass  # gone, or a successor's now
+
+    def _serve(self) -> None:
+        assert self._server is not None
+        server = self._server
+        while not self._stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._stop.is_set():
+                    break
+                log.warning("handover: accept failed error=%r", exc.strerror or str(exc))
+                self._stop.wait(OFFER_ACCEPT_WAKE_S)
+                continue
+            try:
+                taken = self._hand_over(conn)
+            except Exception:
+                log.exception("handover failed; still serving and offering")
+                taken = []
+            finally:
+                conn.close()
+                self.in_flight = False
+            if taken:
+                self.handed_over = True
+                try:
+                    self._on_taken(taken)
+                except Exception:
+                    log.exception("handover: stopping to accept failed")
+                # The successor offers on the path now (it renamed its socket over
+                # ours, or is about to): this instance's part is done.
+                self._stop.set()
+        self._release()
+
+    def _hand_over(self, conn: socket.socket) -> list[str]:
+        conn.settimeout(REPLY_TIMEOUT_S)
+        if self._stop.is_set():
+            return []
+        offered = {n: s for n, s in self._listeners().items() if s.fileno() >= 0}
+        names = list(offered)
+        msg = json.dumps({"version": VERSION, "pid": os.getpid(), "listeners": names})
+        self.in_flight = True
+        socket.send_fds(conn, [msg.encode() + b"\n"], [s.fileno() for s in offered.values()])
+        log.info("handover: offered listeners to a successor listeners=%s",
+                 ",".join(names))
+        reply = b""
+        while not reply.endswith(b"\n") and len(reply) < MAX_MESSAGE:
+            try:
+                chunk = conn.recv(MAX_MESSAGE)
+            except OSError as exc:
+                log.warning("handover: the successor did not answer error=%r; still "
+                            "accepting", exc.strerror or str(exc))
+                return []
+            if not chunk:
+                break
+            reply += chunk
+        try:
+            taken = json.loads(reply.decode())["taken"]
+            if not isinstance(taken, list):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            log.warning("handover: the successor took nothing; still accepting and "
+                        "offering")
+            return []
+        # Only names this instance offered: anything else is not ours to stop.
+        return [n for n in taken if n in offered]

@@ -1,0 +1,86 @@
+"""Frozen views of the registry (pure): what readers get from ``Registry.snapshot()``.
+
+The health server (/readyz, /upstreams), the metrics collector and the tests read
+upstream state only through these values, taken under the registry lock in one go,
+so a scrape or a page never mixes two moments. Counters (connections, dial errors,
+bytes) are plain integers here: the collector exports them at scrape time, so a
+removed upstream's series disappear with its record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from extractedprism.upstream import UpstreamState, pickable
+
+
+@dataclass(frozen=True)
+class ConnView:
+    client: str
+    upstream: str
+    started: float
+    bytes_up: int
+    bytes_down: int
+
+
+@dataclass(frozen=True)
+class UpstreamView:
+    address: str
+    healthy: bool
+    draining: bool
+    ready: bool
+    readiness: str  # "pending" | "ready" | "unready", or "n/a" without readyz
+    probed_ready: bool
+    tier: int | None
+    rtt_seconds: float | None
+    active_connections: int
+    total_connections: int
+    last_check_error: str
+    lifecycle: str = "active"  # upstream.Lifecycle value
+    connection_errors: int = 0  # failed dials counted for connection_errors_total
+    bytes_up: int = 0  # client -> upstream, finished and live connections
+    bytes_down: int = 0  # upstream -> client
+
+    @classmethod
+    def of(cls, address: str, s: UpstreamState, *, readyz: bool, tier: int | None,
+           rtt: float | None, active: int, total: int, errors: int, bytes_up: int,
+           bytes_down: int) -> UpstreamView:
+        return cls(address=address, healthy=s.healthy, draining=s.draining, ready=s.ready,
+                   readiness=s.readiness.value if readyz else "n/a",
+                   probed_ready=s.probed_ready, tier=tier, rtt_seconds=rtt,
+                   active_connections=active, total_connections=total,
+                   last_check_error=s.last_check_error, lifecycle=s.lifecycle.value,
+                   connection_errors=errors, bytes_up=bytes_up, bytes_down=bytes_down)
+
+    @property
+    def pickable(self) -> bool:
+        return pickable(self)
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "address": self.address,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "ready": self.ready if self.readiness != "n/a" else None,
+            "readiness": self.readiness,
+            "tier": self.tier,
+            "rtt_seconds": self.rtt_seconds,
+            "active_connections": self.active_connections,
+            "total_connections": self.total_connections,
+            "last_check_error": self.last_check_error,
+        }
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    upstreams: tuple[UpstreamView, ...]
+    connections_active: int
+    max_connections: int
+    panic: bool
+    latency_mode: bool
+    readyz_mode: bool
+    connections_total: int = 0  # connections established since start (all upstreams)
+    connections: tuple[ConnView, ...] = ()  # only with snapshot(connections=True)
+
+    def get(self, address: str) -> UpstreamView | None:
+        return next((u for u in self.upstreams if u.address == address), None)

@@ -1,0 +1,236 @@
+"""One upstream's state machine (pure): health streak, readiness, lifecycle.
+
+Owns the spec's per-upstream rules ("Load balancer", "Readiness-aware selection",
+"Graceful draining") as functions of (state, input) -> (new state, transitions). No
+lock, clock, socket or logger: the registry calls these under its lock, keeps the
+result in its record, and logs the returned :class:`Transition` records after it
+releases the lock. The unit tests drive them from tables.
+
+Rules
+-----
+* TCP health: two consecutive failures (health checks and client dials feed the same
+  streak) make an upstream unhealthy; one success makes it healthy again.
+* Readiness (``--health-check=readyz`` only): two consecutive failed /readyz probes make
+  a ready upstream unready, one success makes it ready. A new upstream, and one
+  reachable again after a TCP failure, is PENDING (not ready) until its next probe,
+  which settles it either way. An upstream that turns TCP-unhealthy while ready
+  becomes unready, so it loses its long-lived connections like an unready one.
+* Lifecycle: ACTIVE while in the endpoint list; DRAINING once removed (no new
+  connections, no health checks, the health value holds) until its connections end or
+  --drain-timeout; re-adding it makes it ACTIVE again.
+* Pickable for a new connection: healthy and not draining (:func:`pickable`, the one
+  place that says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+FAILURE_THRESHOLD = 2  # consecutive failures that exclude an upstream (spec)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One health check's outcome (made by probes.py, consumed by :func:`on_probe`)."""
+
+    ok: bool  # TCP connect succeeded
+    rtt: float | None  # connect time in seconds incl. name resolution (set when ok)
+    reason: str  # "" when ok, else short: "connection refused", "timeout", ...
+    ready: bool | None = None  # /readyz outcome; None when not probed
+    ready_reason: str = ""  # "" when ready, else "HTTP 500", "TLS verify failed: ..."
+
+
+class Readiness(enum.Enum):
+    PENDING = "pending"  # new, or reachable again after a TCP failure; next probe decides
+    READY = "ready"
+    UNREADY = "unready"
+
+
+class Lifecycle(enum.Enum):
+    """Where the upstream stands with respect to the endpoint list.
+
+    New states (an operator's drain, a demoted static "fallback" endpoint) go here,
+    with their rule in :func:`pickable` and :data:`TAKES_CHECKS`.
+    """
+
+    ACTIVE = "active"  # in the merged endpoint list
+    DRAINING = "draining"  # removed: connections finish within --drain-timeout
+
+
+# Lifecycles whose upstreams are health-checked and may take new connections.
+TAKES_CHECKS = frozenset({Lifecycle.ACTIVE})
+
+
+class _HealthAndDrain(Protocol):
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+
+def pickable(u: _HealthAndDrain) -> bool:
+    """Eligible for a new connection: healthy and not draining."""
+    return u.healthy and not u.draining
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamState:
+    healthy: bool = True  # new upstreams take picks before their first check (spec)
+    fail_streak: int = 0
+    readiness: Readiness = Readiness.PENDING
+    ready_fail_streak: int = 0
+    probed_ready: bool = False  # at least one /readyz probe has run (metric shown)
+    tcp_failed_since_probe: bool = False
+    lifecycle: Lifecycle = Lifecycle.ACTIVE
+    last_check_error: str = ""
+
+    @property
+    def draining(self) -> bool:
+        return self.lifecycle is not Lifecycle.ACTIVE
+
+    @property
+    def pickable(self) -> bool:
+        return pickable(self)
+
+    @property
+    def ready(self) -> bool:
+        return self.readiness is Readiness.READY
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One change worth a log line: ``upstream <before>-><after> upstream=... reason=...``."""
+
+    kind: str  # "health" | "readiness" | "check"
+    before: str
+    after: str
+    reason: str
+    level: int = logging.INFO
+
+    @property
+    def health_flipped(self) -> bool:
+        return self.kind == "health"
+
+
+_replace = dataclasses.replace
+
+
+def on_tcp(s: UpstreamState, ok: bool, reason: str, source: str, *, readyz: bool
+           ) -> tuple[UpstreamState, list[Transition]]:
+    """One TCP outcome (``source`` is "probe" or "dial") fed into the streak."""
+    if ok:
+        if s.healthy:
+            return (s if s.fail_streak == 0 else _replace(s, fail_streak=0)), []
+        return _replace(s, healthy=True, fail_streak=0), [
+            Transition("health", "unhealthy", "healthy", f"{source} succeeded")]
+    streak = s.fail_streak + 1
+    tcp_failed = s.tcp_failed_since_probe or readyz
+    if not (s.healthy and streak >= FAILURE_THRESHOLD):
+        return _replace(s, fail_streak=streak, tcp_failed_since_probe=tcp_failed), []
+    out = [Transition("health", "healthy", "unhealthy", f"{source}: {reason}",
+                      logging.WARNING)]
+    readiness = s.readiness
+    if readyz and readiness is Readiness.READY:
+        # It failed at the TCP level: a partitioned or frozen API server must lose its
+        # long-lived connections like an unready one, instead of holding them until
+        # keepalive gives up.
+        readiness = Readiness.UNREADY
+        out.append(Transition("readiness", "ready", "unready", f"TCP {source} failed"))
+    return _replace(s, healthy=False, fail_streak=streak, tcp_failed_since_probe=tcp_failed,
+                    readiness=readiness), out
+
+
+def on_ready(s: UpstreamState, ready: bool, reason: str
+             ) -> tuple[UpstreamState, list[Transition]]:
+    """One /readyz outcome (after a successful connect)."""
+    fresh = s.readiness is Readiness.PENDING or s.tcp_failed_since_probe
+    if ready:
+        readiness, streak = Readiness.READY, 0
+    else:
+        streak = s.ready_fail_streak + 1
+        readiness = s.readiness
+        # After a reset the upstream already counts as not ready, so one failed probe
+        # settles it; otherwise two in a row are needed (spec).
+        if fresh or streak >= FAILURE_THRESHOLD:
+            readiness = Readiness.UNREADY
+    new = _replace(s, readiness=readiness, ready_fail_streak=streak, probed_ready=True,
+                   tcp_failed_since_probe=False)
+    if readiness is s.readiness:
+        return new, []
+    return new, [Transition("readiness", s.readiness.value, readiness.value,
+                            reason or "readyz 200")]
+
+
+def on_probe(s: UpstreamState, result: ProbeResult, *, readyz: bool
+             ) -> tuple[UpstreamState, list[Transition]]:
+    """One health check (TCP, then readyz when enabled). Draining upstreams are not
+    checked; the caller does not feed them."""
+    s, out = on_tcp(s, result.ok, result.reason, "probe", readyz=readyz)
+    if result.ok and readyz and result.ready is not None:
+        s, more = on_ready(s, result.ready, result.ready_reason)
+        out += more
+    error = result.reason or result.ready_reason
+    if error and error != s.last_check_error:
+        out.append(Transition("check", "", "failed", error))
+    if error != s.last_check_error:
+        s = _replace(s, last_check_error=error)
+    return s, out
+
+
+def on_dial(s: UpstreamState, ok: bool, reason: str, *, readyz: bool
+            ) -> tuple[UpstreamState, list[Transition], bool]:
+    """A client dial's outcome; the bool says "probe it now" (readiness reset)."""
+    if ok and s.fail_streak == 0 and not s.tcp_failed_since_probe:
+        return s, [], False  # the common case: nothing changes
+    was_failed = s.tcp_failed_since_probe
+    s, out = on_tcp(s, ok, reason, "dial", readyz=readyz)
+    if not (ok and readyz and was_failed):
+        return s, out, False
+    # Reachable again after a TCP failure: not ready until the probe that runs now passes.
+    if s.readiness is not Readiness.PENDING:
+        out.append(Transition("readiness", s.readiness.value, "pending",
+                              "reachable again after TCP failure"))
+    return _replace(s, readiness=Readiness.PENDING, ready_fail_streak=0), out, True
+
+
+def drain(s: UpstreamState) -> UpstreamState:
+    """Removed from the endpoint list."""
+    return _replace(s, lifecycle=Lifecycle.DRAINING)
+
+
+def undrain(s: UpstreamState) -> UpstreamState:
+    """Re-added before its drain completed: the drain is aborted."""
+    return _replace(s, lifecycle=Lifecycle.ACTIVE)
+
+
+def loses_connections(s: UpstreamState, another_ready: bool) -> bool:
+    """Readiness moves connections: an unready upstream's are closed after
+    --drain-timeout while another healthy upstream is ready (spec)."""
+    return s.readiness is Readiness.UNREADY and not s.draining and another_ready
+
+
+def unready_close(s: UpstreamState, another_ready: bool, deadline: float | None, now: float,
+                  drain_timeout: float) -> tuple[float | None, bool, str]:
+    """The close deadline of an unready upstream's connections, at ``now``.
+
+    Returns (new deadline, close its connections now, what happened): "scheduled",
+    "closed", the reason it was called off, or "" for no change. The closing is called
+    off if, before the timeout, the upstream turns ready again or no other healthy
+    upstream is ready any more (spec).
+    """
+    should = loses_connections(s, another_ready)
+    if should and deadline is None:
+        if drain_timeout <= 0:
+            return None, True, "closed"
+        return now + drain_timeout, False, "scheduled"
+    if not should and deadline is not None:
+        return None, False, ("ready again" if s.readiness is not Readiness.UNREADY
+                             else "no other upstream is ready")
+    if should and deadline is not None and now >= deadline:
+        return now + drain_timeout, True, "closed"
+    return deadline, False, ""
