@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from extractedprism import handover, statefile
 from extractedprism.config import Config
 from extractedprism.endpoints import Endpoint
+from extractedprism.errors import ListenError
 from extractedprism.httpd import HealthServer
 from extractedprism.merge import Merger
 from extractedprism.metrics import Metrics
@@ -209,7 +210,11 @@ class App:
                 log.warning("handover: the predecessor's proxy listener is on another "
                             "address; binding a new one address=%s", sock.getsockname())
                 sock.close()
-            self.proxy.bind()
+            try:
+                self.proxy.bind()
+            except OSError as exc:
+                raise ListenError("--bind-address/--bind-port", cfg.bind_address,
+                                  cfg.bind_port, exc) from exc
         sock = received.take("health") if received is not None else None
         if sock is not None and not handover.listener_matches(
                 sock, cfg.health_bind_address, cfg.health_port):
@@ -221,12 +226,13 @@ class App:
             self.health = HealthServer(self.registry, self.metrics, self.alive,
                                        host=cfg.health_bind_address, port=cfg.health_port,
                                        liveness_reason=self.liveness_reason, listener=sock)
-        except OSError:
+        except OSError as exc:
             if "proxy" not in taken:  # a taken one is shared: never shut it down
                 self.proxy.close_listener()
             if self.proxy.listener is not None:
                 self.proxy.listener.close()
-            raise
+            raise ListenError("--health-bind-address/--health-port", cfg.health_bind_address,
+                              cfg.health_port, exc) from exc
         if sock is not None:
             taken.append("health")
         return taken

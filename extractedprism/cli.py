@@ -2,14 +2,19 @@
 
 Runs on the main thread. Signal handlers only set the stop Event; the main thread then
 runs the ordered shutdown. SIGHUP is logged and ignored: configuration is read once at
-start, and a hang-up (a closed terminal, a habitual ``kill -HUP``) must not take every
-connection of the node down. SIGUSR1 dumps every thread's stack to stderr (faulthandler)
-for images without py-spy. Invalid configuration exits with status 2 before any port
-is opened, listing every problem.
+start, and a hang-up must not take every connection of the node down. SIGUSR1 logs
+every thread's stack, identical stacks grouped, as one record (for images without
+py-spy). Invalid configuration exits with status 2
+before any port is opened, listing every problem in plain text; everything after the
+logging set-up is a log line in the chosen format. A listener that cannot be opened
+exits 1 naming its flags and address. ``extractedprism NAME ...`` runs the subcommand
+NAME from :data:`SUBCOMMANDS` instead of the proxy.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
 import faulthandler
 import importlib
 import logging
@@ -18,53 +23,124 @@ import resource
 import signal
 import sys
 import threading
-import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import configargparse
 
 from extractedprism import __version__
-from extractedprism.config import FLAGS, Config, ConfigError, validate
-from extractedprism.logsetup import setup_logging
+from extractedprism.config import FLAGS, Config, ConfigError, Flag, validate
+from extractedprism.errors import ListenError
+from extractedprism.logfmt import FATAL
+from extractedprism.logsetup import setup_logging, shutdown_logging
+from extractedprism.threaddump import grouped_dump
 
 log = logging.getLogger("extractedprism")
 
-# `extractedprism NAME ...` runs another tool of the same entry point (one image, one
-# binary: `kubectl exec ... extractedprism admin list` works in the distroless image).
-# Each lives in its own module; its function takes the arguments after NAME and returns
-# the exit status.
+# `extractedprism NAME args...` -> "module:function", called with args; returns the exit
+# status. Each subcommand's code lives in its own module, imported only when run.
 SUBCOMMANDS: dict[str, str] = {
+    "status": "extractedprism.status:main",
     "static-pod": "extractedprism.staticpod:main",
 }
 
+def flag_help(flag: Flag) -> str:
+    """A flag's help text and rules, with its default said once (or that it is required)."""
+    text = "; ".join((flag.help, *flag.rules))
+    if flag.required:
+        text += " (required)"
+    elif "(default:" in text:
+        pass  # the text says what unset means
+    elif flag.default is None or flag.default == "":
+        text += " (default: unset)"
+    else:
+        text += f" (default: {flag.default})"
+    return text.replace("%", "%%")
 
-def run_subcommand(name: str, argv: Sequence[str]) -> int:
-    module, func = SUBCOMMANDS[name].split(":")
-    return int(getattr(importlib.import_module(module), func)(list(argv)))
+
+# validate() enforces these (naming the flag, with every other problem); help shows them.
+_REQUIRED = {f.dest for f in FLAGS if f.required}
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """The usage line shows required flags outside brackets.
+
+    They are not argparse-required: validate() reports a missing one together with every
+    other problem, and the value may come from the environment.
+    """
+
+    def add_usage(self, usage: str | None, actions: object, groups: object,
+                  prefix: str | None = None) -> None:
+        shown = []
+        for action in actions:  # type: ignore[attr-defined]
+            if action.dest in _REQUIRED:
+                action = copy.copy(action)
+                action.required = True
+            shown.append(action)
+        super().add_usage(usage, shown, groups, prefix)  # type: ignore[arg-type]
 
 
 def build_parser() -> configargparse.ArgumentParser:
     parser = configargparse.ArgumentParser(
         prog="extractedprism",
         description="Per-node TCP load balancer for Kubernetes API server high availability. "
-        "Every flag can also be set through its EP_ environment variable.",
-        formatter_class=configargparse.ArgumentDefaultsHelpFormatter,
+        "Every flag can also be set through its EP_ environment variable. "
+        f"Subcommands: {', '.join(f'extractedprism {n} --help' for n in SUBCOMMANDS)}.",
+        formatter_class=_HelpFormatter,
     )
+    required = parser.add_argument_group("required")
+    # Shown first, before the "options" group argparse made (with --help in it).
+    parser._action_groups.insert(0, parser._action_groups.pop())
     for flag in FLAGS:
         kwargs: dict[str, object] = {
             "env_var": flag.env,
             "dest": flag.dest,
             "default": None,
-            "help": f"{flag.help} (default: {flag.default if flag.default is not None else '-'})",
+            "help": flag_help(flag),
             "metavar": flag.kind.upper() if flag.kind != "choice" else "{" + ",".join(
                 flag.choices) + "}",
         }
         if flag.kind == "bool":
             # `--enable-discovery` alone means true; `--enable-discovery=false` works too.
             kwargs.update(nargs="?", const="true")
-        parser.add_argument(flag.option, **kwargs)  # type: ignore[arg-type]
+        group = required if flag.required else parser
+        group.add_argument(flag.option, **kwargs)  # type: ignore[arg-type]
     parser.add_argument("--version", action="version", version=f"extractedprism {__version__}")
     return parser
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions)."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+MAX_SUGGEST_EDITS = 3
+
+
+def unknown_env_vars(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """Every ``EP_`` variable that no flag reads, with the closest real one (or None)."""
+    known = [f.env for f in FLAGS]
+    out = []
+    for name in sorted(environ):
+        if not name.startswith("EP_") or name in known:
+            continue
+        dist, best = min((_edits(name, k), k) for k in known)
+        out.append((name, best if dist <= MAX_SUGGEST_EDITS else None))
+    return out
+
+
+def warn_unknown_env_vars(environ: Mapping[str, str]) -> None:
+    for name, closest in unknown_env_vars(environ):
+        if closest:
+            log.warning("unknown environment variable ignored; did you mean %s? "
+                        "variable=%s closest=%s", closest, name, closest)
+        else:
+            log.warning("unknown environment variable ignored variable=%s", name)
 
 
 def _join_dash_values(argv: Sequence[str]) -> list[str]:
@@ -109,17 +185,20 @@ def _raise_fd_limit() -> None:
             pass
 
 
-def dump_threads(_signum: int = 0, _frame: object = None, file: object = None) -> None:
-    """Write every thread's name and stack to stderr (SIGUSR1), like a goroutine dump."""
-    out = file or sys.stderr
-    frames = sys._current_frames()
-    lines = [f"=== extractedprism thread dump: {threading.active_count()} threads"]
-    for t in threading.enumerate():
-        frame = frames.get(t.ident or -1)
-        lines.append(f"--- thread {t.name!r} ident={t.ident} daemon={t.daemon}")
-        if frame is not None:
-            lines.extend(line.rstrip() for line in traceback.format_stack(frame))
-    print("\n".join(lines), file=out, flush=True)  # type: ignore[call-overload]
+def dump_threads(_signum: int = 0, _frame: object = None) -> None:
+    """Log every thread's stack (SIGUSR1), identical stacks grouped, as one record."""
+    text, threads, groups = grouped_dump()
+    # Asked for explicitly, so shown whatever --log-level says (handle() skips the
+    # level check, not the handlers).
+    record = log.makeRecord(log.name, logging.WARNING, __file__, 0,
+                            "thread dump threads=%d stacks=%d", (threads, groups), None,
+                            extra={"dump": text})
+    log.handle(record)
+
+
+def run_subcommand(name: str, args: Sequence[str]) -> int:
+    module, _, func = SUBCOMMANDS[name].partition(":")
+    return int(getattr(importlib.import_module(module), func)(list(args)))
 
 
 SIGHUP_MESSAGE = "SIGHUP: configuration is read at start; restart to apply changes"
@@ -142,7 +221,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {problem}", file=sys.stderr)
         return 2
 
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, fmt=config.log_format, background=True, capture=True)
+    try:
+        return _run(config)
+    finally:
+        shutdown_logging()
+
+
+def _run(config: Config) -> int:
+    warn_unknown_env_vars(os.environ)
     # SIGUSR1: named stacks from the main thread. SIGUSR2: faulthandler's dump, which
     # works even when a thread holds the GIL and the main thread cannot run.
     signal.signal(signal.SIGUSR1, dump_threads)
@@ -172,9 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = App(config, stop=stop)
     try:
         app.start()
+    except ListenError as exc:
+        log.log(FATAL, "%s", exc, extra={"address": exc.address, "flags": exc.flags,
+                                         "error": exc.reason})
+        app.stop()
+        return 1
     except OSError as exc:
-        log.critical("start-up failed error=%r", f"{exc.strerror or exc}")
-        print(f"extractedprism: cannot start: {exc}", file=sys.stderr)
+        log.log(FATAL, "cannot start error=%s", exc.strerror or exc)
         app.stop()
         return 1
     finally:

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
+LOG_FORMATS = ("logfmt", "json")
 SELECTION_MODES = ("random", "latency", "least-conn")
 HEALTH_CHECKS = ("tcp", "readyz")
 PIPE_SCHED_POLICIES = ("batch", "normal")
@@ -278,6 +279,14 @@ FLAGS: tuple[Flag, ...] = (
         "list, static endpoints it lacks are kept only as a last resort (panic mode)",
         STATIC_ENDPOINT_MODES,
     ),
+    Flag(
+        "log-format",
+        "choice",
+        "logfmt",
+        "Log line format on stderr: logfmt (key=value, one record per line) or json (one "
+        "object per line)",
+        LOG_FORMATS,
+    ),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
@@ -383,6 +392,7 @@ class Config:
     shutdown_drain_timeout: float = 0.0
     state_file: str = ""
     static_endpoints: str = "always"
+    log_format: str = "logfmt"
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""

@@ -154,6 +154,10 @@ class Pipe:
         self.bytes_up = 0  # client -> upstream
         self.bytes_down = 0  # upstream -> client
         self._closed = False
+        # Who ended the connection and why (the debug "connection closed" line): the
+        # first EOF's side, "proxy" for close(), or "error".
+        self.ended_by = ""
+        self.end_reason = ""
         self._mode = mode or MODE
         self._upstream_nonblocking = upstream_nonblocking
 
@@ -162,6 +166,8 @@ class Pipe:
     def close(self) -> None:
         """Force-close from any thread: wakes the pipe thread, which then cleans up."""
         self._closed = True
+        if not self.ended_by:
+            self.ended_by, self.end_reason = "proxy", "closed by extractedprism"
         for sock in (self.client_sock, self.upstream_sock):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -233,6 +239,8 @@ class Pipe:
                         masks[fd] = want
         except OSError as exc:
             reset = True
+            if not self.ended_by:
+                self.ended_by, self.end_reason = "error", exc.strerror or str(exc)
             if exc.errno in _EXPECTED:
                 log.debug("connection ended client=%s upstream=%s reason=%r", self.client,
                           self.upstream, exc.strerror)
@@ -288,6 +296,8 @@ class Pipe:
                         h.tail = bytes(buf[sent:n])
             if n == 0:
                 h.eof = True
+                if not self.ended_by:
+                    self.ended_by, self.end_reason = ("client" if h.up else "upstream"), "eof"
                 self._pass_eof(h)
                 return True
             if h.up:

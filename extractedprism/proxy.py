@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from extractedprism import sched
+from extractedprism import connlog, sched
 from extractedprism.endpoints import Endpoint, is_ip
 from extractedprism.pipe import Pipe, release_thread_resources
 from extractedprism.registry import Registry
@@ -55,6 +55,9 @@ _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # wake-up per interval; no cost per connection.
 ACCEPT_WAKE_S = 0.25
 _RCVTIMEO = struct.pack("ll", 0, int(ACCEPT_WAKE_S * 1_000_000))
+# Failures that repeat once per client during an outage: first line, then summaries.
+_dial_failed = connlog.RateLimited(log, logging.INFO, "dial failed")
+_no_upstream = connlog.RateLimited(log, logging.INFO, "no upstream available; closing client")
 
 
 def _has_opts(sock: socket.socket) -> bool | None:
@@ -423,12 +426,14 @@ class Proxy:
         tried: set[str] = set()
         drain_retry = True
         reg = self._registry
+        debug = log.isEnabledFor(logging.DEBUG)  # per connection, never per byte
         while True:
+            t0 = time.monotonic() if debug else 0.0
             ep = reg.pick(exclude=tried)
             if ep is None:
                 upstream, addr = self._panic_dial(tried)
                 if upstream is None:
-                    log.info("no upstream available; closing client client=%s", client)
+                    _no_upstream(client=client)
                     client_sock.close()
                     return
             else:
@@ -452,10 +457,15 @@ class Proxy:
                 client_sock.close()
                 return
             me.name = f"pipe-{client}->{addr}"
+            if debug:
+                connlog.opened(log, client, addr, time.monotonic() - t0)
+                t0 = time.monotonic()
             try:
                 pipe.run()
             finally:
                 reg.detach(addr, pipe)
+                if debug:
+                    connlog.closed(log, pipe, t0)
             return
 
     def _dial(self, ep: Endpoint, timeout: float, *, panic: bool = False
@@ -474,7 +484,7 @@ class Proxy:
             # attempts are exactly that case, and shutdown failures are not counted.
             self._registry.record_dial(addr, False, reason,
                                        count_error=not (shutting_down or panic))
-            log.info("dial failed upstream=%s reason=%r", addr, reason)
+            _dial_failed(addr, upstream=addr, reason=reason)
             return None
         self._registry.record_dial(addr, True)
         return sock

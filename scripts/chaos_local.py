@@ -55,6 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import logfmtkv  # noqa: E402
 import trustme  # noqa: E402
 
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice  # noqa: E402
@@ -498,7 +499,19 @@ class UpstreamProc:
             p.wait(5)
 
 
-_LOG_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) level=(\S+) .*? msg=(.*)$")
+_SKIP_KEYS = ("ts", "level", "logger", "msg", "thread", "stacktrace")
+
+
+def _parse_log_line(line: str) -> tuple[float, str] | None:
+    """A logfmt log line -> (wall time, "msg key=value ..."), the event as it reads in
+    the source's template, which the patterns below search."""
+    try:
+        rec = logfmtkv.parse(line)
+        wall = datetime.datetime.fromisoformat(str(rec["ts"])).timestamp()
+    except (KeyError, ValueError, logfmtkv.LogfmtError):
+        return None
+    fields = " ".join(f"{k}={v}" for k, v in rec.items() if k not in _SKIP_KEYS)
+    return wall, f"{rec.get('msg', '')} {fields}".strip()
 
 
 class ProxyProc:
@@ -523,13 +536,12 @@ class ProxyProc:
 
     def _on_line(self, line: str) -> None:
         self._log.write(line + "\n")
-        m = _LOG_RE.match(line)
-        if not m:
+        parsed = _parse_log_line(line)
+        if parsed is None:
             return
-        wall = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
-        at = wall + int(m.group(2)) / 1000 - self._offset
+        wall, event = parsed
         with self._lock:
-            self.events.append((at, m.group(4)))
+            self.events.append((wall - self._offset, event))
 
     def first_event(self, after: float, pattern: str) -> float | None:
         rx = re.compile(pattern)

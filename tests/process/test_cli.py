@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,7 +13,11 @@ from typing import IO
 
 import pytest
 
+from extractedprism.cli import unknown_env_vars
+from extractedprism.config import FLAGS
 from tests.fakes.upstream import IdentityServer
+from tests.logcheck import parse_logfmt
+from tests.process.proxyproc import start_proxy as start_proxy_logged
 from tests.util import (
     PYTHON,
     ROOT,
@@ -67,8 +72,83 @@ def test_version_and_help():
     res = run_cli("--help")
     assert res.returncode == 0
     for opt in ("--bind-address", "--drain-timeout", "--health-check-token-file",
-                "--max-connections", "--kubeconfig"):
+                "--max-connections", "--kubeconfig", "--log-format"):
         assert opt in res.stdout
+
+
+def _help_blocks(text: str) -> dict[str, str]:
+    """--help's text per option: the option's line and its indented continuation."""
+    blocks: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if line.startswith("  --"):
+            current = stripped.split()[0]
+            blocks[current] = stripped
+        elif current and line.startswith("    ") and stripped:
+            blocks[current] += " " + stripped
+        else:
+            current = None
+    return blocks
+
+
+def test_help_says_each_default_once_and_endpoints_is_required():
+    res = run_cli("--help")
+    assert res.returncode == 0
+    assert "None" not in res.stdout
+    blocks = _help_blocks(res.stdout)
+    assert set(blocks) >= {f.option for f in FLAGS}
+    for flag in FLAGS:
+        block = " ".join(blocks[flag.option].split())
+        assert block.count("(default:") <= 1, block
+        assert block.count(f"[env var: {flag.env}]") == 1, block
+        if flag.name == "endpoints":
+            assert "(required)" in block and "(default:" not in block
+        else:
+            assert block.count("(default:") == 1, block
+        if flag.default:
+            assert f"(default: {flag.default})" in block, block
+    usage = res.stdout.split("\n\n")[0]
+    assert " --endpoints ENDPOINTS" in usage and "[--endpoints" not in usage
+    assert "required:" in res.stdout
+
+
+def test_unknown_ep_variable_warns_once_naming_the_closest_flag(upstream, tmp_path):
+    p = start_proxy_logged(tmp_path, "--endpoints", upstream.address,
+                           env={"EP_HELTH_INTERVAL": "5s", "EP_NOT_A_FLAG_AT_ALL": "1"})
+    try:
+        wait_until(lambda: len(unknown(p)) == 2, 10, message="two warnings")
+    finally:
+        assert p.stop() == 0
+    warnings = unknown(p)
+    assert len(warnings) == 2  # once each, not per interval
+    by_var = {r["variable"]: r for r in warnings}
+    typo = by_var["EP_HELTH_INTERVAL"]
+    assert typo["level"] == "warn" and typo["closest"] == "EP_HEALTH_INTERVAL"
+    assert "EP_HEALTH_INTERVAL" in typo["msg"]
+    assert "closest" not in by_var["EP_NOT_A_FLAG_AT_ALL"]
+
+
+def unknown(p):
+    return [r for r in parse_logfmt(p.stderr())
+            if r["msg"].startswith("unknown environment variable")]
+
+
+def test_closest_flag_is_within_three_edits():
+    found = dict(unknown_env_vars({"EP_HELTH_INTERVAL": "", "EP_BIND_PROT": "",
+                                   "EP_ENDPOINTSXXXX": "", "EP_ENDPOINTS": "",
+                                   "PATH": "", "EP_LOG_FROMAT": ""}))
+    assert found == {"EP_HELTH_INTERVAL": "EP_HEALTH_INTERVAL",
+                     "EP_BIND_PROT": "EP_BIND_PORT", "EP_ENDPOINTSXXXX": None,
+                     "EP_LOG_FROMAT": "EP_LOG_FORMAT"}
+
+
+def test_invalid_log_format_exits_2_naming_the_flag():
+    res = run_cli("--endpoints", "10.0.0.1:6443", "--log-format", "xml")
+    assert res.returncode == 2
+    assert "--log-format (xml)" in res.stderr and "logfmt, json" in res.stderr
+    res = run_cli("--endpoints", "10.0.0.1:6443", env={"EP_LOG_FORMAT": "text"})
+    assert res.returncode == 2 and "--log-format (text)" in res.stderr
 
 
 def start_proxy(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str],
@@ -171,7 +251,7 @@ def _collect(stream: IO[str], into: list[str]) -> None:
 
 def test_env_configuration_runs_and_sigusr1_dumps_threads(upstream):
     proc, bind, _ = start_proxy(env={"EP_ENDPOINTS": upstream.address,
-                                          "EP_LOG_LEVEL": "debug"})
+                                          "EP_LOG_LEVEL": "error"})
     assert proc.stderr is not None
     lines: list[str] = []
     reader = threading.Thread(target=_collect, args=(proc.stderr, lines),
@@ -182,10 +262,18 @@ def test_env_configuration_runs_and_sigusr1_dumps_threads(upstream):
         with socket.create_connection(("127.0.0.1", bind), timeout=5) as c:
             assert c.recv(3) == b"up\n"
         proc.send_signal(signal.SIGUSR1)
-        # The dump is on stderr before the process is asked to stop.
-        wait_until(lambda: all(f"--- thread '{n}" in "".join(lines) for n in names), 10,
-                   message="a thread dump naming every core thread")
-        assert any("thread dump" in line for line in lines)
+        # The dump is on stderr before the process is asked to stop: one record.
+        def dumps() -> list[dict[str, str]]:
+            return [r for r in parse_logfmt("".join(lines)) if r["msg"] == "thread dump"]
+
+        wait_until(dumps, 10, message="a thread dump")
+        [dump] = dumps()
+        text = dump["dump"]
+        for n in names:
+            assert f": {n}" in text, f"{n} not in {text}"
+        # 64 pre-started pipe threads, most parked in one place: one group, one stack.
+        assert re.search(r"^--- 6\d threads: pipe-idle-\* in _park ", text, re.M), text
+        assert text.count("_worker_loop") < 5
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     finally:
@@ -196,13 +284,26 @@ def test_env_configuration_runs_and_sigusr1_dumps_threads(upstream):
         reap(proc)
 
 
-def test_port_in_use_fails_clearly(upstream):
-    with socket.create_server(("127.0.0.1", 0)) as busy:
+@pytest.mark.parametrize("busy_flag,other_flag,flags", [
+    ("--bind-port", "--health-port", "--bind-address/--bind-port"),
+    ("--health-port", "--bind-port", "--health-bind-address/--health-port"),
+])
+def test_port_in_use_names_the_listener_and_address(upstream, busy_flag, other_flag, flags):
+    with socket.create_server(("127.0.0.1", 0)) as busy, socket.socket() as spare:
         port = busy.getsockname()[1]
-        res = run_cli("--endpoints", upstream.address, "--bind-port", str(port),
-                      "--enable-discovery=false")
+        spare.bind(("127.0.0.1", 0))
+        other = spare.getsockname()[1]
+        spare.close()
+        res = run_cli("--endpoints", upstream.address, busy_flag, str(port),
+                      other_flag, str(other), "--enable-discovery=false")
+    if res.returncode == 1 and f"127.0.0.1:{other} " in res.stderr:
+        pytest.skip("the spare port was taken meanwhile")  # cannot be held and free
     assert res.returncode == 1
-    assert "cannot start" in res.stderr and "in use" in res.stderr
+    records = parse_logfmt(res.stderr)  # logging is set up: the error is a record too
+    [fatal] = [r for r in records if r["level"] == "fatal"]
+    assert fatal["msg"] == (f"cannot listen on 127.0.0.1:{port} ({flags}): "
+                            "address already in use")
+    assert fatal["address"] == f"127.0.0.1:{port}" and fatal["flags"] == flags
 
 
 def test_negative_value_after_a_space_reaches_validation():

@@ -1,0 +1,58 @@
+"""The status table renders what the document holds and shows "-" for what it lacks."""
+
+from __future__ import annotations
+
+import datetime
+
+from extractedprism.status import age, render
+
+NOW = datetime.datetime(2026, 12, 1, 18, 30, 0, tzinfo=datetime.UTC)
+
+
+def test_full_document_from_the_extended_upstreams():
+    doc = {
+        "version": "1.2.3", "relay": "native", "panic": False,
+        "connections_active": 3, "max_connections": 4096,
+        "discovery": {"enabled": True, "connected": True, "last_event": None,
+                      "last_error": ""},
+        "upstreams": [
+            {"address": "10.0.0.1:6443", "source": ["static", "kubernetes"],
+             "state": "healthy", "ready": True, "tier": 0, "rtt_seconds": 0.0012,
+             "active": 3, "total": 40, "since": "2026-12-01T18:25:55.148+00:00",
+             "last_check_error": ""},
+            {"address": "10.0.0.2:6443", "source": ["kubernetes"], "state": "admin-drain",
+             "ready": False, "tier": None, "rtt_seconds": None, "active": 0, "total": 2,
+             "since": "2026-12-01T16:00:00.000+00:00",
+             "last_check_error": "connection refused", "last_error_source": "dial"},
+        ],
+    }
+    lines = render(doc, True, NOW).splitlines()
+    assert lines[0].split()[:3] == ["ADDRESS", "SOURCE", "STATE"]
+    one = lines[1].split()
+    assert one[:8] == ["10.0.0.1:6443", "static,kubernetes", "healthy", "yes", "0",
+                       "1.2ms", "3/40", "4m04s"]
+    assert lines[2].split()[:8] == ["10.0.0.2:6443", "kubernetes", "admin-drain", "no",
+                                    "-", "-", "0/2", "2h30m"]
+    assert lines[2].endswith("connection refused (dial)")
+    assert lines[3] == ("ready: 1/2 upstreams healthy, 1/2 ready, 3 connections (max 4096), "
+                        "discovery connected, relay native, version 1.2.3")
+
+
+def test_todays_document_and_missing_fields():
+    doc = {"upstreams": [
+        {"address": "a:1", "healthy": True, "draining": True, "ready": None,
+         "readiness": "n/a", "active_connections": 1, "total_connections": 5},
+        {"address": "b:1"},
+    ], "panic": True}
+    lines = render(doc, False, NOW).splitlines()
+    assert lines[1].split() == ["a:1", "-", "draining", "-", "-", "-", "1/5", "-", "-"]
+    assert lines[2].split() == ["b:1", "-", "-", "-", "-", "-", "-", "-", "-"]
+    assert lines[3].startswith("NOT READY: 0/2 upstreams healthy")
+    assert "PANIC" in lines[3]
+
+
+def test_no_upstreams_and_a_bad_time():
+    text = render({"upstreams": []}, False, NOW)
+    assert "(no upstreams)" in text
+    assert age("yesterday", NOW) == "-" and age(None, NOW) == "-"
+    assert age("2026-12-01T18:29:58Z", NOW) == "2s"
