@@ -11,7 +11,15 @@ import pytest
 import yaml
 
 import extractedprism
-from extractedprism.config import FLAGS, HEALTH_CHECKS, LOG_LEVELS, SELECTION_MODES, validate
+from extractedprism.config import (
+    FLAGS,
+    HEALTH_CHECKS,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    SELECTION_MODES,
+    STATIC_ENDPOINT_MODES,
+    validate,
+)
 from tests.deploy.helpers import (
     CHART_DIR,
     ENDPOINTS,
@@ -58,6 +66,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "shutdown-drain-timeout": "5s",
     "state-file": "/var/lib/ep/state.json",
     "static-endpoints": "fallback",
+    "log-format": "json",
 }
 
 SA_CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
@@ -139,6 +148,8 @@ def test_schema_enums_are_the_programs_choices() -> None:
     assert props["logLevel"]["enum"] == list(LOG_LEVELS)
     assert props["upstreamSelection"]["enum"] == list(SELECTION_MODES)
     assert props["healthCheck"]["enum"] == ["", *HEALTH_CHECKS]  # "": the chart's choice
+    assert props["logFormat"]["enum"] == list(LOG_FORMATS)
+    assert props["staticEndpoints"]["enum"] == list(STATIC_ENDPOINT_MODES)
 
 
 # --- the DaemonSet -------------------------------------------------------------------------

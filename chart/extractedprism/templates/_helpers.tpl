@@ -227,6 +227,7 @@ handover-socket: handoverSocket
 shutdown-drain-timeout: shutdownDrainTimeout
 state-file: stateFile
 static-endpoints: staticEndpoints
+log-format: logFormat
 {{- end -}}
 
 {{/* Integer-valued keys: printed as whole numbers even when values arrive as floats (JSON). */}}
