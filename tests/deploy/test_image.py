@@ -47,9 +47,7 @@ def _inputs() -> list[Path]:
     files = [ROOT / "scripts" / "image", ROOT / "pyproject.toml", ROOT / "README.md"]
     files += sorted(p for p in (ROOT / "extractedprism").rglob("*")
                     if p.is_file() and "__pycache__" not in p.parts)
-    extra = ROOT / "setup.py"
-    if extra.exists():
-        files.append(extra)
+    files += [ROOT / f for f in ("setup.py", "setup.cfg", "MANIFEST.in") if (ROOT / f).exists()]
     return files
 
 
