@@ -174,6 +174,9 @@ def test_pod_runs_in_the_node_network_as_node_critical(default_docs) -> None:
     # The new pod starts beside the old one and takes its listeners over.
     assert ds["spec"]["updateStrategy"] == {
         "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    # The probes reach whichever process holds the shared health listener: the new pod
+    # must stay ready a while (past its takeover) before the old one is stopped.
+    assert ds["spec"]["minReadySeconds"] >= 10
     selector = ds["spec"]["selector"]["matchLabels"]
     assert selector.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
 
