@@ -9,8 +9,8 @@ priority, liveness on /healthz and readiness on /readyz of the health port, the 
 security context, and every file a flag names mounted from the host at the same path.
 
 A static pod has no service-account token, so discovery reads a kubeconfig given with
---kubeconfig (mounted read-only from the host); see docs/deploy.md for the least-privilege
-identity to put in it.
+--kubeconfig (mounted read-only from the host; a warning on stderr when discovery is on
+without one); see docs/deploy.md for the least-privilege identity to put in it.
 """
 
 from __future__ import annotations
@@ -205,6 +205,16 @@ def manifest(config: Config, env: dict[str, str], image: str) -> dict[str, Any]:
     }
 
 
+def warnings(config: Config) -> list[str]:
+    """What the pod would do that the operator probably does not want (it still starts)."""
+    if config.enable_discovery and not config.kubeconfig.strip():
+        return ["discovery is on but --kubeconfig is not given: a static pod has no "
+                "service-account token, so discovery will only log errors and the static "
+                "--endpoints are all it uses; give --kubeconfig PATH (a file on the node) or "
+                "--enable-discovery=false"]
+    return []
+
+
 def render(argv: Sequence[str]) -> tuple[dict[str, Any], Config]:
     """Parse and validate like the server; raise ConfigError with every problem."""
     from extractedprism.cli import _join_dash_values
@@ -219,14 +229,6 @@ def render(argv: Sequence[str]) -> tuple[dict[str, Any], Config]:
         problems.extend(exc.problems)
     if not image:
         problems.append("--image must not be empty")
-    enable = ns.get("enable_discovery")
-    discovery = config.enable_discovery if config is not None else (
-        enable is None or enable.strip().lower() not in ("false", "0", "no", "n", "off", "f"))
-    kubeconfig = str(ns.get("kubeconfig") or "").strip()
-    if discovery and not kubeconfig:
-        problems.append(
-            "--enable-discovery needs --kubeconfig in a static pod (it has no service-account "
-            "token): give --kubeconfig PATH (a file on the node) or --enable-discovery=false")
     if problems or config is None:
         raise ConfigError(problems)
     # The values as given, so the pod says exactly what was asked; defaults stay defaults.
@@ -237,12 +239,14 @@ def render(argv: Sequence[str]) -> tuple[dict[str, Any], Config]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        pod, _ = render(args)
+        pod, config = render(args)
     except ConfigError as exc:
         print("extractedprism: invalid configuration:", file=sys.stderr)
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return 2
+    for warning in warnings(config):
+        print(f"extractedprism static-pod: warning: {warning}", file=sys.stderr)
     # PyYAML comes with the kubernetes client, a dependency of the proxy itself.
     import yaml
 
