@@ -1,8 +1,8 @@
 """Configuration: one declarative flag table -> configargparse -> validate() -> Config (pure).
 
-Every flag is one :class:`Flag` row: name (and from it the option and the EP_ env var),
-kind (which converter turns the string into a value), default, help, and the checks
-that value must pass. Rules that tie two or more flags together are rows of
+Every flag is one :class:`~extractedprism.flags.Flag` row: name (and from it the option
+and the EP_ env var), kind (which converter turns the string into a value), default,
+help, and the checks that value must pass. Rules that tie two or more flags together are rows of
 :data:`RULES`. :func:`validate` only walks the two tables, so a flag added as a row is
 converted, checked, shown in ``--help`` and bound to its env var by construction, and
 nothing can skip validation. Every problem is reported at once, each naming the flag
@@ -20,19 +20,54 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from extractedprism.endpoints import Endpoint, is_valid_host, parse_endpoint_list
-from extractedprism.parsing import format_duration, parse_bool, parse_duration
+from extractedprism.endpoints import Endpoint
+from extractedprism.flags import (
+    AT_LEAST_1,
+    AT_LEAST_1S,
+    HOST,
+    KINDS,
+    NOT_EMPTY,
+    NOT_NEGATIVE,
+    PORT,
+    Check,
+    Flag,
+    Rule,
+    format_duration,
+    parse_bool,
+    parse_duration,
+    show_value,
+)
+from extractedprism.selection import MODES as SELECTION_MODES  # selection owns its modes
 
 __all__ = [
-    "FLAGS", "FLAG_BY_NAME", "HEALTH_CHECKS", "KINDS", "LOG_LEVELS", "PIPE_SCHED_POLICIES",
-    "RULES", "SELECTION_MODES", "STATIC_ENDPOINT_MODES", "Check", "Config", "ConfigError",
-    "Flag", "Rule",
-    "format_duration", "parse_bool", "parse_duration", "validate",
+    "AT_LEAST_1",
+    "AT_LEAST_1S",
+    "FLAGS",
+    "FLAG_BY_NAME",
+    "HEALTH_CHECKS",
+    "HOST",
+    "KINDS",
+    "LOG_LEVELS",
+    "NOT_EMPTY",
+    "NOT_NEGATIVE",
+    "PIPE_SCHED_POLICIES",
+    "PORT",
+    "RULES",
+    "SELECTION_MODES",
+    "STATIC_ENDPOINT_MODES",
+    "Check",
+    "Config",
+    "ConfigError",
+    "Flag",
+    "Rule",
+    "format_duration",
+    "parse_bool",
+    "parse_duration",
+    "validate",
 ]
 
 LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
 LOG_FORMATS = ("logfmt", "json")
-SELECTION_MODES = ("random", "latency", "least-conn")
 HEALTH_CHECKS = ("tcp", "readyz")
 PIPE_SCHED_POLICIES = ("batch", "normal")
 STATIC_ENDPOINT_MODES = ("always", "fallback")
@@ -46,105 +81,7 @@ class ConfigError(ValueError):
         self.problems = list(problems)
 
 
-# --- checks: one value, one rule ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class Check:
-    """A rule for one flag's converted value; ``text`` is the message after the flag."""
-
-    ok: Callable[[Any], bool]
-    text: str
-
-
-def _at_least(lo: float, text: str) -> Check:
-    return Check(lambda v: v >= lo, text)
-
-
-PORT = Check(lambda v: 1 <= v <= 65535, "must be in the range 1-65535")
-AT_LEAST_1S = _at_least(1.0, "must be at least 1s")
-NOT_NEGATIVE = _at_least(0.0, "must not be negative")
-AT_LEAST_1 = _at_least(1, "must be at least 1")
-HOST = Check(is_valid_host, "must be a valid IP address or RFC 1123 hostname")
-NOT_EMPTY = Check(bool, "must not be empty")
-
-
-# --- kinds: string -> value ----------------------------------------------------
-
-
-def _to_int(flag: Flag, value: str) -> int:
-    text = value.strip()
-    if not text.lstrip("-").isdigit():
-        raise ValueError(f"{value!r} is not a whole number")
-    return int(text)
-
-
-def _to_choice(flag: Flag, value: str) -> str:
-    # Exact, as the spec lists them: "DEBUG" or " info" are typos worth reporting.
-    if value not in flag.choices:
-        raise ValueError(f"must be one of {', '.join(flag.choices)}")
-    return value
-
-
-def _to_endpoints(flag: Flag, value: str) -> tuple[Endpoint, ...]:
-    endpoints, problems = parse_endpoint_list(value)
-    if problems:
-        raise ValueError("; ".join(problems))
-    return tuple(endpoints)
-
-
-def _to_path(flag: Flag, value: str) -> str:
-    # A path of spaces is as unset as an empty one (a template's blank value, say).
-    return value if value.strip() else ""
-
-
-KINDS: dict[str, Callable[[Flag, str], object]] = {
-    "str": lambda flag, value: value.strip(),
-    "int": _to_int,
-    "duration": lambda flag, value: parse_duration(value),
-    "bool": lambda flag, value: parse_bool(value),
-    "choice": _to_choice,
-    "endpoints": _to_endpoints,
-    "path": _to_path,
-}
-
-
 # --- the flag table ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Flag:
-    name: str  # without leading dashes
-    kind: str  # a key of KINDS
-    default: str | None
-    help: str
-    choices: tuple[str, ...] = ()
-    checks: tuple[Check, ...] = ()
-    # Unset (or blank) takes the converted value of this other flag, unchecked again.
-    same_as: str = ""
-    # Unset (or blank) is this error instead of a default.
-    required: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"flag {self.name}: unknown kind {self.kind!r}")
-
-    @property
-    def option(self) -> str:
-        return "--" + self.name
-
-    @property
-    def env(self) -> str:
-        return "EP_" + self.name.upper().replace("-", "_")
-
-    @property
-    def dest(self) -> str:
-        return self.name.replace("-", "_")
-
-    @property
-    def rules(self) -> tuple[str, ...]:
-        """The checks in words, for --help and docs."""
-        return tuple(c.text for c in self.checks)
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -287,25 +224,20 @@ FLAGS: tuple[Flag, ...] = (
         "object per line)",
         LOG_FORMATS,
     ),
+    Flag(
+        "admin-socket",
+        "path",
+        "",
+        "Unix socket for runtime control (`extractedprism admin`: drain, undrain, close, "
+        "list), created with mode 0600 so only this user and root can use it; never a TCP "
+        "port (empty: off)",
+    ),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
 
 
 # --- cross-field rules -----------------------------------------------------------
-
-# ``Rule.message(values, show)``: ``values`` holds every converted value by dest,
-# ``show(dest)`` renders "--flag (raw value)"; return the problem, or None.
-Message = Callable[[Mapping[str, Any], Callable[[str], str]], "str | None"]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A rule over several flags, checked when all of ``fields`` converted."""
-
-    fields: tuple[str, ...]  # dests
-    text: str  # the rule as the spec words it
-    message: Message
 
 
 def _ports_differ(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
@@ -393,14 +325,11 @@ class Config:
     state_file: str = ""
     static_endpoints: str = "always"
     log_format: str = "logfmt"
+    admin_socket: str = ""
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""
         return dataclasses.replace(self, **changes)
-
-
-def _show(flag: Flag, raw: str) -> str:
-    return f"{flag.option} ({raw})" if raw.strip() else flag.option
 
 
 def validate(values: Mapping[str, str | None]) -> Config:
@@ -430,10 +359,10 @@ def validate(values: Mapping[str, str | None]) -> Config:
         try:
             converted = KINDS[flag.kind](flag, value)
         except ValueError as exc:
-            problems.append(f"{_show(flag, value)} is invalid: {exc}")
+            problems.append(f"{show_value(flag, value)} is invalid: {exc}")
             continue
         out[flag.dest] = converted
-        problems.extend(f"{_show(flag, value)} {c.text}" for c in flag.checks
+        problems.extend(f"{show_value(flag, value)} {c.text}" for c in flag.checks
                         if not c.ok(converted))
 
     for flag in derived:
@@ -442,7 +371,7 @@ def validate(values: Mapping[str, str | None]) -> Config:
             out[flag.dest], raw[flag.dest] = out[source], raw[source]
 
     def show(dest: str) -> str:
-        return _show(FLAG_BY_NAME[dest.replace("_", "-")], raw[dest])
+        return show_value(FLAG_BY_NAME[dest.replace("_", "-")], raw[dest])
 
     for rule in RULES:
         if all(f in out for f in rule.fields):

@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from extractedprism.snapshot import Snapshot
+    from extractedprism.snapshot import Snapshot, UpstreamView
 
 PREFIX = "extractedprism_"
 
@@ -53,13 +54,44 @@ class Metrics:
         self._collector = StateCollector(snapshot)
         self.registry.register(self._collector)
 
-    def sample(self, name: str, labels: dict[str, str] | None = None) -> float | None:
-        """Current value of a sample (tests and the demo status line)."""
-        return self.registry.get_sample_value(name, labels or {})
+
+PerUpstream = Callable[["Snapshot", "UpstreamView"], "float | None"]
+
+# Gauges of the whole proxy: (name, help, value).
+GAUGES: tuple[tuple[str, str, Callable[[Snapshot], float]], ...] = (
+    ("upstreams_active", "Upstreams eligible for new connections (healthy, not draining)",
+     lambda s: sum(1 for u in s.upstreams if u.pickable)),
+    ("upstreams_total", "Total known upstreams, including unhealthy and draining (not the "
+     "static endpoints --static-endpoints=fallback keeps as a last resort)",
+     lambda s: sum(1 for u in s.upstreams if not u.fallback)),
+    ("connections_active", "TCP connections currently passing through the proxy",
+     lambda s: s.connections_active),
+    ("connections_max", "Maximum concurrent connections (--max-connections)",
+     lambda s: s.max_connections),
+    ("panic", "1 while no upstream is pickable and new connections try every known upstream",
+     lambda s: 1 if s.panic else 0),
+)
+
+# Per-upstream gauges, label "upstream": (name, help, value or None for no series).
+UPSTREAM_GAUGES: tuple[tuple[str, str, PerUpstream], ...] = (
+    ("health_check_status", "Upstream health state after the consecutive-failure threshold, "
+     "fed by health checks and client dials (1 healthy, 0 unhealthy)",
+     lambda s, u: 1 if u.healthy else 0),
+    ("upstream_connections_active", "Live proxied connections per upstream",
+     lambda s, u: u.active_connections),
+    ("upstream_rtt_seconds", "Smoothed health check connect time (latency selection only)",
+     lambda s, u: u.rtt_seconds if s.latency_mode else None),
+    ("upstream_latency_tier",
+     "Latency tier of the upstream, 0 being the closest group (latency selection only)",
+     lambda s, u: u.tier if s.latency_mode else None),
+    ("upstream_ready",
+     "/readyz probe state after the consecutive-failure threshold (1 ready, 0 not ready)",
+     lambda s, u: (1 if u.ready else 0) if s.readyz_mode and u.probed_ready else None),
+)
 
 
 class StateCollector(Collector):
-    """Yields the gauge families computed from one registry snapshot."""
+    """Yields the metric families computed from one registry snapshot."""
 
     def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
         self._snapshot = snapshot
@@ -69,9 +101,9 @@ class StateCollector(Collector):
         # the registry has upstreams; an empty list is the documented way to skip that.
         return []
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily
+                                  | HistogramMetricFamily]:
         snap = self._snapshot()
-        g = GaugeMetricFamily
         yield CounterMetricFamily(
             PREFIX + "connections_total",
             "Connections established to upstreams since start",
@@ -79,8 +111,16 @@ class StateCollector(Collector):
         )
         errors = CounterMetricFamily(
             PREFIX + "connection_errors_total",
-            "Failed connection attempts to an upstream (not counted when no upstream was "
-            "available or when the proxy is shutting down)",
+            "Failed connection attempts to an upstream; upstream=\"none\" counts clients "
+            "closed because no upstream was available. Failures caused by proxy shutdown "
+            "are not counted",
+            labels=["upstream"],
+        )
+        # Every client dial, successful or failed, by upstream; health checks are not
+        # client dials and are not observed.
+        dials = HistogramMetricFamily(
+            PREFIX + "dial_duration_seconds",
+            "Time to connect to an upstream for a client connection, successful or failed",
             labels=["upstream"],
         )
         sent = CounterMetricFamily(
@@ -88,70 +128,23 @@ class StateCollector(Collector):
             "Bytes proxied per upstream and direction (up: client to upstream)",
             labels=["upstream", "direction"],
         )
+        errors.add_metric(["none"], snap.turned_away)
         for u in snap.upstreams:
             errors.add_metric([u.address], u.connection_errors)
             sent.add_metric([u.address, "up"], u.bytes_up)
             sent.add_metric([u.address, "down"], u.bytes_down)
+            dials.add_metric([u.address], [(floatToGoString(b), n)
+                                           for b, n in u.dials.cumulative()],
+                             u.dials.total)
         yield errors
         yield sent
-        yield g(
-            PREFIX + "upstreams_active",
-            "Upstreams eligible for new connections (healthy, not draining)",
-            value=sum(1 for u in snap.upstreams if u.pickable),
-        )
-        yield g(
-            PREFIX + "upstreams_total",
-            "Total known upstreams, including unhealthy and draining",
-            value=len(snap.upstreams),
-        )
-        yield g(
-            PREFIX + "connections_active",
-            "TCP connections currently passing through the proxy",
-            value=snap.connections_active,
-        )
-        yield g(
-            PREFIX + "connections_max",
-            "Maximum concurrent connections (--max-connections)",
-            value=snap.max_connections,
-        )
-        yield g(
-            PREFIX + "panic",
-            "1 while no upstream is pickable and new connections try every known upstream",
-            value=1 if snap.panic else 0,
-        )
-        status = g(
-            PREFIX + "health_check_status",
-            "Upstream health state after the consecutive-failure threshold, fed by health "
-            "checks and client dials (1 healthy, 0 unhealthy)",
-            labels=["upstream"],
-        )
-        conns = g(
-            PREFIX + "upstream_connections_active",
-            "Live proxied connections per upstream",
-            labels=["upstream"],
-        )
-        rtt = g(
-            PREFIX + "upstream_rtt_seconds",
-            "Smoothed health check connect time (latency selection only)",
-            labels=["upstream"],
-        )
-        tier = g(
-            PREFIX + "upstream_latency_tier",
-            "Latency tier of the upstream, 0 being the closest group (latency selection only)",
-            labels=["upstream"],
-        )
-        ready = g(
-            PREFIX + "upstream_ready",
-            "/readyz probe state after the consecutive-failure threshold (1 ready, 0 not ready)",
-            labels=["upstream"],
-        )
-        for u in snap.upstreams:
-            status.add_metric([u.address], 1 if u.healthy else 0)
-            conns.add_metric([u.address], u.active_connections)
-            if snap.latency_mode and u.rtt_seconds is not None:
-                rtt.add_metric([u.address], u.rtt_seconds)
-            if snap.latency_mode and u.tier is not None:
-                tier.add_metric([u.address], u.tier)
-            if snap.readyz_mode and u.probed_ready:
-                ready.add_metric([u.address], 1 if u.ready else 0)
-        yield from (status, conns, rtt, tier, ready)
+        yield dials
+        for name, doc, value in GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value(snap))
+        for name, doc, per in UPSTREAM_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["upstream"])
+            for u in snap.upstreams:
+                v = per(snap, u)
+                if v is not None:
+                    family.add_metric([u.address], v)
+            yield family

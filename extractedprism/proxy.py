@@ -19,6 +19,13 @@ the connection enters panic mode and tries every known upstream, most recently
 successful first, within one --health-timeout, because health checks can be wrong
 during a local blip and a refused kubelet is worse than a slow one.
 
+A connect proves only that the upstream's kernel is alive: a stopped (SIGSTOP) or
+wedged API server still completes handshakes from its backlog. So the client's first
+bytes (its TLS ClientHello) are read before the pipe starts and the upstream gets one
+dial timeout to answer them; a silent one counts as a failed dial and the same bytes
+go to the next upstream (nothing went back to the client yet, so the client cannot
+tell). Found against a real control plane (tests/controlplane, the SIGSTOP scenario).
+
 EMFILE/ENFILE on accept back off (up to 1 s) instead of spinning, and recover as soon
 as descriptors free up.
 
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import select
 import socket
 import struct
 import threading
@@ -50,6 +58,9 @@ log = logging.getLogger(__name__)
 PRESTART_THREADS = 64  # a node's usual clients (kubelet, proxies, CNI, daemons) without a spawn
 PIPE_IDLE_EXIT_S = 60.0  # pipe threads beyond PRESTART_THREADS idle this long exit
 PIPE_THREAD_STACK = 256 * 1024  # copy loops are shallow; the default 8 MiB is address space
+# The client's first bytes held for a possible re-dial: a TLS ClientHello is one record
+# (at most 16 KiB); anything past it stays in the socket for the pipe.
+FIRST_BYTES_MAX = 16 * 1024
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # How often a blocked accept() returns to look at the stop flags. Idle cost: one
 # wake-up per interval; no cost per connection.
@@ -222,6 +233,19 @@ class Proxy:
 
     def acceptor_alive(self) -> bool:
         return self._acceptor is not None and self._acceptor.is_alive()
+
+    def backlog_waiting(self) -> bool:
+        """A client waits in the listen backlog (for the heartbeat: an idle acceptor
+        blocks in accept() with nothing waiting; a stuck one leaves clients there)."""
+        listener = self._listener
+        if listener is None:
+            return False
+        poller = select.poll()
+        try:
+            poller.register(listener, select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed meanwhile
+            return False
 
     def close_listener(self) -> None:
         """Stop accepting: wakes the acceptor out of accept(). Once handed over, the
@@ -425,6 +449,7 @@ class Proxy:
             apply_sockopts(client_sock)
         tried: set[str] = set()
         drain_retry = True
+        first: bytes | None = None  # the client's first bytes, once read (for a re-dial)
         reg = self._registry
         debug = log.isEnabledFor(logging.DEBUG)  # per connection, never per byte
         while True:
@@ -434,14 +459,29 @@ class Proxy:
                 upstream, addr = self._panic_dial(tried)
                 if upstream is None:
                     _no_upstream(client=client)
+                    if not self._stopping.is_set():
+                        reg.record_no_upstream()  # connection_errors_total{upstream="none"}
                     client_sock.close()
                     return
+                if first:  # a silent upstream had them; nothing else left to judge by
+                    self._first_answer(client_sock, upstream, first)
             else:
                 addr = str(ep)
                 tried.add(addr)
                 upstream = self._dial(ep, self._dial_timeout)
                 if upstream is None:
                     reg.abandon(addr)
+                    continue
+                answered, first = self._first_answer(client_sock, upstream, first)
+                if not answered and reg.any_pickable(exclude=tried):
+                    # Connected, but silent: a frozen process whose kernel still
+                    # completes handshakes. Nothing went back to the client yet, so its
+                    # first bytes can go to the next upstream instead.
+                    upstream.close()
+                    reg.abandon(addr)
+                    reason = f"no answer within {self._dial_timeout:g}s of the client's first bytes"
+                    reg.record_dial(addr, False, reason, count_error=not self._stopping.is_set())
+                    log.info("dial failed upstream=%s reason=%r", addr, reason)
                     continue
             assert addr is not None
             pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
@@ -454,6 +494,8 @@ class Proxy:
                     tried.add(addr)
                     if reg.any_pickable(exclude=tried):
                         continue
+                if not reg.closing:  # its upstream drained away, and no other was left
+                    reg.record_no_upstream()
                 client_sock.close()
                 return
             me.name = f"pipe-{client}->{addr}"
@@ -468,9 +510,61 @@ class Proxy:
                     connlog.closed(log, pipe, t0)
             return
 
+    def _first_answer(self, client: socket.socket, upstream: socket.socket,
+                      first: bytes | None) -> tuple[bool, bytes]:
+        """Hand the client's first bytes to a new upstream; did it answer within a dial timeout?
+
+        A TCP connect proves only that the upstream's kernel is alive: a stopped
+        (SIGSTOP) or wedged API server still completes handshakes from its backlog, and a
+        client's TLS handshake would then wait for its own timeout. The client speaks
+        first in TLS, so its first bytes (the ClientHello) are read here, sent on, and
+        the upstream gets one dial timeout to send anything back (or to close).
+
+        Returns (answered, first bytes). Not judged, so answered: the client sent
+        nothing within a dial timeout, or closed, or the upstream spoke first or failed
+        (the pipe passes the error on). ``first`` is what an earlier, silent upstream
+        got; it goes to this one as it is.
+        """
+        timeout_ms = max(1, int(self._dial_timeout * 1000))
+        cfd, ufd = client.fileno(), upstream.fileno()
+        if first is None:
+            poller = select.poll()
+            poller.register(cfd, select.POLLIN)
+            poller.register(ufd, select.POLLIN)
+            events = dict(poller.poll(timeout_ms))
+            if not events or ufd in events:
+                return True, b""
+            try:
+                first = client.recv(FIRST_BYTES_MAX, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return True, b""
+            except OSError:
+                return True, b""  # reset: the pipe sees it too
+            if not first:
+                return True, b""
+        deadline = time.monotonic() + self._dial_timeout
+        view = memoryview(first)
+        try:
+            while view:
+                try:
+                    view = view[upstream.send(view):]
+                except BlockingIOError:
+                    poller = select.poll()
+                    poller.register(ufd, select.POLLOUT)
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+                        return False, first
+        except OSError:
+            return True, first  # the pipe reports the upstream's error
+        poller = select.poll()
+        poller.register(ufd, select.POLLIN)
+        left = deadline - time.monotonic()
+        return bool(left > 0 and poller.poll(max(1, int(left * 1000)))), first
+
     def _dial(self, ep: Endpoint, timeout: float, *, panic: bool = False
               ) -> socket.socket | None:
         addr = str(ep)
+        started = time.monotonic()
         try:
             sock = dial(ep, timeout)
         except OSError as exc:
@@ -483,10 +577,11 @@ class Proxy:
             # The spec counts no errors "when no upstream was available": panic-mode
             # attempts are exactly that case, and shutdown failures are not counted.
             self._registry.record_dial(addr, False, reason,
-                                       count_error=not (shutting_down or panic))
+                                       count_error=not (shutting_down or panic),
+                                       duration=time.monotonic() - started)
             _dial_failed(addr, upstream=addr, reason=reason)
             return None
-        self._registry.record_dial(addr, True)
+        self._registry.record_dial(addr, True, duration=time.monotonic() - started)
         return sock
 
     def _panic_dial(self, tried: set[str]) -> tuple[socket.socket | None, str | None]:

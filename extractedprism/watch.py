@@ -1,30 +1,24 @@
 """Kubernetes EndpointSlice provider: the ``watcher`` thread.
 
-Owns the slice cache (name -> wire object) and the reconnect policy of the spec
-("Two-level endpoint discovery", "Endpoint discovery"). Layered like kopf:
+Owns the slice cache (name -> wire object) and executes the reconnect policy of the
+spec ("Two-level endpoint discovery", "Endpoint discovery"). Layered like kopf:
 
-* :meth:`KubernetesProvider._watch_forever`: the loop; decides only *when* to list,
-  watch or wait, from the outcome of the previous step and :class:`~extractedprism.backoff.Backoff`;
+* :meth:`KubernetesProvider._run`: the supervisor; restarts a loop that died of a bug
+  after the spec's backoff, counting and logging each death with its traceback;
+* :meth:`KubernetesProvider._watch_forever`: the loop; runs one list or watch, then does
+  what :func:`~extractedprism.backoff.next_step` (pure, with the rules quoted from the
+  spec and tested from a table) says: re-list or watch, at once or after the backoff,
+  with or without a reset. Durations are measured with the injected clock from the
+  moment the Watch call is made; a stream end is "without an error" whether the server
+  ended it or the connection dropped (neither is counted as an error);
 * :meth:`KubernetesProvider._list`: one list, rebuilding the cache; raises on failure;
 * :meth:`KubernetesProvider._stream`: one watch stream, applying events to the cache;
   returns on a stream end, raises :class:`~extractedprism.kube.Gone` on 410, raises
   anything else on a failed Watch call or an ERROR event.
 
-Reconnect rules, exactly as the spec words them (``LONG`` = 30 s, measured with the
-injected clock from the moment the Watch call is made):
-
-1. delays come from the backoff: 1 s, doubling to 30 s, each plus up to 25% jitter;
-2. a watch open >= LONG that closed without an error is re-opened at once. A stream
-   end is "without an error" whether the server ended it or the connection dropped:
-   neither is counted as an error (metrics table), so neither is treated as one here;
-   a stream that ends sooner waits for the backoff;
-3. any other error (a failed Watch call, an ERROR event) after such a watch -- i.e.
-   ending a watch open >= LONG, or hitting the re-watch right after one closed
-   cleanly -- restarts the backoff from 1 s; 410 Gone does not;
-4. 410 Gone (ERROR event code 410, or HTTP 410) -> full re-list at once, rebuilding the
-   cache. After a successful re-list the next watch starts at once if the 410 ended a
-   watch open >= LONG, or hit the re-watch right after such a watch closed cleanly;
-   otherwise it waits for the backoff. A failed list waits for the backoff and retries.
+Every list and every slice event hands the recomputed endpoint list to ``on_update``,
+also when it did not change (``discovery_updates_total`` counts updates received; the
+merge applies only changes).
 
 The cache keeps, per slice name, the slice's content and the endpoints parsed from it
 (:func:`~extractedprism.slices.parse_slice`). A slice is parsed, and its problems
@@ -35,8 +29,8 @@ corrupt input never drains live connections; a slice labelled for another servic
 server's own DELETED event would do when a slice leaves the selector.
 
 ``discovery_errors_total{provider="kubernetes"}`` counts failed lists/re-lists, failed
-Watch calls, watch ERROR events (other than 410) and provider failures (the thread
-dying); never a stream end or a 410. Waits go through ``sleep`` (default
+Watch calls, watch ERROR events (other than 410) and provider failures (each death of
+the loop); never a stream end or a 410. Waits go through ``sleep`` (default
 ``stop.wait``) so shutdown is prompt; :meth:`stop_and_join` also shuts the open watch's
 socket down to wake the blocked read.
 """
@@ -50,8 +44,9 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from extractedprism.backoff import Backoff
+from extractedprism.backoff import LONG_WATCH_S, Backoff, Ended, WatchMemory, next_step
 from extractedprism.config import Config
+from extractedprism.discovery import DiscoveryStatus
 from extractedprism.endpoints import Endpoint
 from extractedprism.kube import Gone, KubeClient, WatchStream, build_client
 from extractedprism.metrics import Metrics
@@ -64,11 +59,11 @@ from extractedprism.slices import (
     slice_name,
     union,
 )
+from extractedprism.threads import join_until
 
 log = logging.getLogger(__name__)
 
 PROVIDER = "kubernetes"
-LONG_WATCH_S = 30.0
 # client-go picks each watch's timeoutSeconds at random in [5 min, 10 min) so a fleet of
 # watchers does not reconnect in lock-step.
 WATCH_TIMEOUT_RANGE_S = (300, 600)
@@ -94,22 +89,24 @@ class KubernetesProvider:
         sa_dir: str | None = None,
         sleep: Callable[[float], object] | None = None,
         watch_timeout_seconds: int | None = None,
+        status: DiscoveryStatus | None = None,
     ) -> None:
-        self._config = config
+        self._config, self._sa_dir = config, sa_dir
         self._on_update = on_update
         self._metrics = metrics
         self._stop = stop
-        self._clock = clock
+        # Time and chance are injected, so tests decide every wait exactly.
+        self._clock, self._sleep = clock, (sleep if sleep is not None else stop.wait)
         self._rng = rng if rng is not None else random.Random()
-        self._sa_dir = sa_dir
-        self._sleep = sleep if sleep is not None else stop.wait
         self._watch_timeout = watch_timeout_seconds
+        # What /upstreams and the discovery gauges show; written only by this thread.
+        self._status = status if status is not None else DiscoveryStatus(PROVIDER)
         self.backoff = Backoff(self._rng)
         self._client: KubeClient | None = None
         self._thread: threading.Thread | None = None
         self._stream_lock = threading.Lock()
         self._open_stream: WatchStream | None = None
-        self._failed = False
+        self.restarts = 0  # times the watch loop died and was restarted
         self._cache: dict[str, _Cached] = {}
         self._sent: list[Endpoint] | None = None
         self._rv = ""
@@ -127,10 +124,12 @@ class KubernetesProvider:
             return
         client = build_client(self._config, self._sa_dir)
         if client is None:
+            reason = "no --kubeconfig and no in-cluster service account"
             log.warning(
                 "kubernetes discovery unavailable reason=%r; serving static endpoints only",
-                "no --kubeconfig and no in-cluster service account",
+                reason,
             )
+            self._status.error(f"unavailable: {reason}")
             return
         self._client = client
         self._thread = threading.Thread(name="watcher", target=self._run, daemon=True)
@@ -143,21 +142,7 @@ class KubernetesProvider:
             stream = self._open_stream
         if stream is not None:
             stream.close()
-        if self._thread is None:
-            return True
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.error("thread outlived its shutdown deadline thread=watcher timeout=%s", timeout)
-            return False
-        return True
-
-    def is_healthy(self) -> bool:
-        """False only when the watcher thread died of an unexpected error."""
-        if self._thread is None:
-            return True
-        if self._thread.is_alive():
-            return True
-        return not self._failed
+        return join_until([self._thread], time.monotonic() + timeout)
 
     @property
     def running(self) -> bool:
@@ -166,14 +151,34 @@ class KubernetesProvider:
     # -- the watcher thread ----------------------------------------------------------
 
     def _run(self) -> None:
+        """The watcher thread: runs the watch loop and restarts it when it dies.
+
+        Provider failures are isolated (spec): a bug that kills the loop is counted,
+        logged with its traceback and followed by a fresh list after the spec's backoff,
+        while the static endpoints and the last known list keep serving. A run that
+        lasted a long watch's worth of time starts the next death's backoff from 1 s.
+        """
         assert self._client is not None
+        deaths = Backoff(self._rng)
         try:
-            self._watch_forever(self._client)
-        except Exception:
-            if not self._stop.is_set():
-                self._failed = True
-                self._count_error()
-                log.exception("kubernetes discovery failed; serving the last known endpoints")
+            while not self._stop.is_set():
+                started = self._clock()
+                try:
+                    self._watch_forever(self._client)
+                    return
+                except Exception:
+                    if self._stop.is_set():
+                        return
+                    self.restarts += 1
+                    self._count_error()
+                    self._status.error("discovery failed; restarting after backoff")
+                    if self._clock() - started >= LONG_WATCH_S:
+                        deaths.reset()
+                    delay = deaths.next_delay()
+                    log.exception("kubernetes discovery failed; restarting after backoff "
+                                  "delay=%.3fs restarts=%d; serving the last known endpoints",
+                                  delay, self.restarts)
+                    self._sleep(delay)
         finally:
             self._client.close()
             log.info("watcher stopped")
@@ -186,61 +191,52 @@ class KubernetesProvider:
         self._sleep(delay)
 
     def _watch_forever(self, client: KubeClient) -> None:
+        """Execute :func:`~extractedprism.backoff.next_step`, one list or watch at a time."""
         stop = self._stop
-        need_list = True
-        first_list = True
-        watch_at_once_after_relist = False
-        rewatch_after_long_clean = False  # the next watch is the re-open after a long one
+        memory = WatchMemory()
+        relist = True
         while not stop.is_set():
-            if need_list:
+            open_for = 0.0
+            if relist:
                 try:
                     self._list(client)
+                    ended = Ended.LISTED
                 except Exception as exc:
                     if stop.is_set():
                         return
                     self._count_error()
                     log.warning("endpointslice list failed error=%s", _describe(exc))
-                    self._wait(self.backoff.next_delay(), "list failed")
-                    continue
-                need_list = False
-                if not first_list and not watch_at_once_after_relist:
-                    self._wait(self.backoff.next_delay(), "re-list after 410")
-                    if stop.is_set():
-                        return
-                first_list = False
-                watch_at_once_after_relist = False
-            opened = self._clock()
-            try:
-                self._stream(client)
-            except Gone as exc:
+                    self._status.error(f"list failed: {_describe(exc)}")
+                    ended = Ended.LIST_FAILED
+            else:
+                opened = self._clock()
+                try:
+                    self._stream(client)
+                    ended = Ended.CLEAN
+                except Gone as exc:
+                    ended, error = Ended.GONE, str(exc)
+                except Exception as exc:
+                    ended, error = Ended.ERROR, _describe(exc)
+                    if not stop.is_set():
+                        self._count_error()
+                        self._status.error(f"watch failed: {error}")
                 if stop.is_set():
                     return
-                long_ = rewatch_after_long_clean or self._clock() - opened >= LONG_WATCH_S
+                open_for = self._clock() - opened
+            step, memory = next_step(memory, ended, open_for)
+            if ended is Ended.GONE:
                 log.info("watch expired (410 Gone); re-listing error=%s after_long_watch=%s",
-                         exc, long_)
-                watch_at_once_after_relist = long_
-                rewatch_after_long_clean = False
-                need_list = True
-                continue
-            except Exception as exc:
-                if stop.is_set():
-                    return
-                self._count_error()
-                long_ = rewatch_after_long_clean or self._clock() - opened >= LONG_WATCH_S
-                if long_:
-                    self.backoff.reset()
-                rewatch_after_long_clean = False
-                log.warning("watch failed error=%s after_long_watch=%s", _describe(exc), long_)
-                self._wait(self.backoff.next_delay(), "watch failed")
-                continue
-            if stop.is_set():
-                return
-            if self._clock() - opened >= LONG_WATCH_S:
-                rewatch_after_long_clean = True
+                         error, step.after_long)
+            elif ended is Ended.ERROR:
+                log.warning("watch failed error=%s after_long_watch=%s", error,
+                            step.after_long)
+            elif ended is Ended.CLEAN and not step.wait:
                 log.info("watch ended after a long watch; re-opening at once")
-                continue
-            rewatch_after_long_clean = False
-            self._wait(self.backoff.next_delay(), "short watch ended")
+            if step.reset:
+                self.backoff.reset()
+            if step.wait:
+                self._wait(self.backoff.next_delay(), step.reason)
+            relist = step.list
 
     def _list(self, client: KubeClient) -> None:
         items, rv = client.list_slices()
@@ -258,6 +254,7 @@ class KubernetesProvider:
         self._cache = cache
         self._rv = rv
         log.info("endpointslices listed slices=%d resource_version=%s", len(cache), rv)
+        self._status.event()
         self._publish()
 
     def _stream(self, client: KubeClient) -> None:
@@ -268,10 +265,13 @@ class KubernetesProvider:
         if self._stop.is_set():  # stop_and_join ran between the call and the registration
             stream.close()
         log.info("watch opened resource_version=%s timeout=%ss", self._rv, timeout)
+        self._status.watch_opened()
         try:
             for event in stream:
+                self._status.event()
                 self._apply(event)
         finally:
+            self._status.watch_closed()
             with self._stream_lock:
                 self._open_stream = None
             stream.release()
@@ -325,12 +325,14 @@ class KubernetesProvider:
         return _Cached(content, kept)
 
     def _publish(self) -> None:
+        """Hand the recomputed list on: after every list and every slice event, also
+        when it did not change, so discovery_updates_total counts every update
+        received (the merge applies only changes)."""
         endpoints = union(c.endpoints for c in self._cache.values())
-        if endpoints == self._sent:
-            return
-        self._sent = endpoints
-        log.info("kubernetes endpoints changed endpoints=%s",
-                 ",".join(str(e) for e in endpoints) or "-")
+        if endpoints != self._sent:
+            self._sent = endpoints
+            log.info("kubernetes endpoints changed endpoints=%s",
+                     ",".join(str(e) for e in endpoints) or "-")
         self._on_update(list(endpoints))
 
 

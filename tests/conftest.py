@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import trustme
 
 from extractedprism.app import App
 from extractedprism.config import Config
@@ -19,7 +20,7 @@ from tests.fakes.upstream import EchoServer, IdentityServer
 
 PRODUCT_THREAD_PREFIXES = ("acceptor", "ticker", "pipe-", "probe-", "watcher", "heartbeat",
                            "handover", "state-file",
-                           "health-http")
+                           "health-http", "admin-")
 
 
 def _product_threads() -> set[threading.Thread]:
@@ -152,3 +153,10 @@ def servers() -> Iterator[Callable[..., list[IdentityServer]]]:
     yield factory
     for s in made:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    """A run-time CA that signs the fake upstreams' serving certificates (one a module)."""
+    return trustme.CA()
+

@@ -141,3 +141,34 @@ def live_connections(registry: Any) -> tuple[Any, ...]:
 def connection_count(registry: Any) -> int:
     """How many proxied connections a Registry tracks right now."""
     return registry.snapshot().connections_active  # type: ignore[no-any-return]
+
+
+def sample(metrics: Any, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """The current value of one sample of a Metrics' registry (None: no such series)."""
+    return metrics.registry.get_sample_value(name, labels or {})  # type: ignore[no-any-return]
+
+
+# --- clients through an App's proxy -------------------------------------------------
+
+
+def connect(app: Any, timeout: float = 5.0) -> socket.socket:
+    """A client connection to an App's proxy listener."""
+    return socket.create_connection(app.proxy_address, timeout=timeout)
+
+
+def read_line(sock: socket.socket) -> str:
+    """One line from ``sock`` (an IdentityServer's name), byte by byte so nothing after
+    it is consumed."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(1)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode().strip()
+
+
+def whoami(app: Any) -> str:
+    """The name of the IdentityServer a new connection through ``app`` lands on."""
+    with connect(app) as s:
+        return read_line(s)

@@ -67,6 +67,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "state-file": "/var/lib/ep/state.json",
     "static-endpoints": "fallback",
     "log-format": "json",
+    "admin-socket": "/run/ep-admin/admin.sock",
 }
 
 SA_CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
@@ -78,6 +79,8 @@ CHART_DEFAULTS: dict[str, Any] = {
     "handover-socket": "/run/extractedprism/handover.sock",
     "shutdown-drain-timeout": "30s",
     "state-file": "/var/lib/extractedprism/state.json",
+    # The admin socket on a per-pod emptyDir, for `kubectl exec ... extractedprism admin`.
+    "admin-socket": "/run/extractedprism-admin/admin.sock",
 }
 # What the default render passes to the program for those.
 CHART_DEFAULT_ENV: dict[str, str] = {
@@ -86,6 +89,7 @@ CHART_DEFAULT_ENV: dict[str, str] = {
     "handover-socket": "/run/extractedprism/handover.sock",
     "shutdown-drain-timeout": "30s",
     "state-file": "/var/lib/extractedprism/state.json",
+    "admin-socket": "/run/extractedprism-admin/admin.sock",
 }
 
 
@@ -271,7 +275,8 @@ def test_resources_are_set(default_docs) -> None:
 
 
 def test_no_volumes_unless_asked() -> None:
-    docs = render({"endpoints": ENDPOINTS, "handoverSocket": "", "stateFile": ""})[0]
+    docs = render({"endpoints": ENDPOINTS, "handoverSocket": "", "stateFile": "",
+                   "adminSocket": ""})[0]
     spec = _pod_spec(docs)
     assert "volumes" not in spec
     assert "initContainers" not in spec
@@ -301,7 +306,8 @@ def test_handover_socket_and_state_file_live_on_host_directories(default_docs) -
     mounts = {m["mountPath"]: m for m in container(default_docs)["volumeMounts"]}
     assert not mounts["/run/extractedprism"].get("readOnly")
     spec = _pod_spec(default_docs)
-    types = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in spec["volumes"]}
+    types = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in spec["volumes"]
+             if "hostPath" in v}
     assert types == {"/run/extractedprism": "DirectoryOrCreate",
                      "/var/lib/extractedprism": "DirectoryOrCreate"}
     # The kubelet creates them root-owned: an init container hands them to the proxy's uid
@@ -314,6 +320,22 @@ def test_handover_socket_and_state_file_live_on_host_directories(default_docs) -
     assert init["securityContext"]["allowPrivilegeEscalation"] is False
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
     assert {m["mountPath"] for m in init["volumeMounts"]} == set(dirs)
+
+
+def test_admin_socket_is_on_a_per_pod_memory_volume(default_docs) -> None:
+    env = env_of(container(default_docs))
+    assert validate(flag_values(env)).admin_socket == "/run/extractedprism-admin/admin.sock"
+    volumes = {v["name"]: v for v in _pod_spec(default_docs)["volumes"]}
+    assert volumes["admin-socket"]["emptyDir"]["medium"] == "Memory"
+    mounts = {m["name"]: m for m in container(default_docs)["volumeMounts"]}
+    assert mounts["admin-socket"]["mountPath"] == "/run/extractedprism-admin"
+    # Off: no volume.
+    docs = render({"endpoints": ENDPOINTS, "adminSocket": ""})[0]
+    assert "admin-socket" not in {v["name"] for v in _pod_spec(docs)["volumes"]}
+    assert "EP_ADMIN_SOCKET" not in env_of(container(docs))
+    # Sharing a host directory would mount two volumes at one path.
+    with pytest.raises(h.HelmError, match=r"adminSocket .* needs a directory of its own"):
+        render({"endpoints": ENDPOINTS, "adminSocket": "/run/extractedprism/admin.sock"})
 
 
 def test_one_directory_for_socket_and_state_when_they_share_it() -> None:

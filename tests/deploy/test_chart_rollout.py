@@ -43,6 +43,11 @@ def _chart_env(upstream: str, bind: int, health: int, run_dir: Path) -> dict[str
     return env_of(container(docs))
 
 
+def _own_admin_dir(env: dict[str, str], directory: Path) -> dict[str, str]:
+    directory.mkdir(mode=0o700, exist_ok=True)
+    return {**env, "EP_ADMIN_SOCKET": str(directory / Path(env["EP_ADMIN_SOCKET"]).name)}
+
+
 @pytest.mark.timeout(90)
 def test_rollout_on_one_node_refuses_nothing_and_spreads_the_old_pods_closes(tmp_path
                                                                             ) -> None:
@@ -56,7 +61,8 @@ def test_rollout_on_one_node_refuses_nothing_and_spreads_the_old_pods_closes(tmp
         for _attempt in range(3):  # a fixed port taken between picking and binding: retry
             bind, health = free_ports(2)
             env = _chart_env(upstream.address, bind, health, run_dir)
-            old = Proc([], env=env)
+            # Each pod has its own emptyDir for the admin socket.
+            old = Proc([], env=_own_admin_dir(env, tmp_path / "old-admin"))
             wait_until(lambda p=old, h=health: p.popen.poll() is not None or healthz_ok(h),
                        timeout=30, message="the old pod serving")
             if old.popen.poll() is None:
@@ -68,7 +74,8 @@ def test_rollout_on_one_node_refuses_nothing_and_spreads_the_old_pods_closes(tmp
         held = HeldConnections(bind, HELD, greeting)
         loop = ClientLoop(bind, greeting).start()
 
-        new = Proc([], env=env)  # the surge pod: same ports, same socket path
+        # The surge pod: same ports, same handover socket path.
+        new = Proc([], env=_own_admin_dir(env, tmp_path / "new-admin"))
         wait_until(lambda: new.saw("handover: took over listeners"), 20,
                    message=f"the new pod takes the listeners over\n{new.log}")
         wait_until(lambda: old.saw("a successor accepts now"), 10,

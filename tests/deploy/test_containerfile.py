@@ -205,6 +205,10 @@ def test_entrypoint_from_a_fresh_venv_serves_and_stops_cleanly(tmp_path: Path) -
             docs, _ = render({"endpoints": [upstream.address], "bindPort": ports[0],
                               "healthPort": ports[1]})
             chart_env = env_of(container(docs))
+            # The pod's per-pod emptyDir for the admin socket.
+            admin = Path(chart_env["EP_ADMIN_SOCKET"])
+            (tmp_path / "admin").mkdir(exist_ok=True)
+            chart_env["EP_ADMIN_SOCKET"] = str(tmp_path / "admin" / admin.name)
             chart_drain[:] = [chart_env.get("EP_SHUTDOWN_DRAIN_TIMEOUT", "0s")]
             assert chart_env["EP_ENABLE_DISCOVERY"] == "true"  # the default, out of a cluster
             env = {**image_env, **chart_env, "HOME": str(run_dir), "TMPDIR": str(tmpdir)}

@@ -242,8 +242,8 @@ def test_entrypoint_serves_proxies_and_stops_cleanly_on_a_read_only_root(working
     sa = tmp_path / "sa"
     sa.mkdir()
     upstream.ca.cert_pem.write_to_path(str(sa / "ca.crt"))
-    handover, state = tmp_path / "handover", tmp_path / "state"
-    for d in (handover, state):
+    handover, state, admin = tmp_path / "handover", tmp_path / "state", tmp_path / "admin"
+    for d in (handover, state, admin):
         d.mkdir(mode=0o700)
         os.chown(d, 65534, 65534)
     try:
@@ -258,7 +258,8 @@ def test_entrypoint_serves_proxies_and_stops_cleanly_on_a_read_only_root(working
                 args = [*b.cmd, "run", "--isolation", "chroot", "--user", "65534:65534",
                         "-v", f"{sa}:{SA_DIR}:ro",
                         "-v", f"{handover}:{Path(chart_env['EP_HANDOVER_SOCKET']).parent}",
-                        "-v", f"{state}:{Path(chart_env['EP_STATE_FILE']).parent}"]
+                        "-v", f"{state}:{Path(chart_env['EP_STATE_FILE']).parent}",
+                        "-v", f"{admin}:{Path(chart_env['EP_ADMIN_SOCKET']).parent}"]
                 for name, value in sorted(chart_env.items()):
                     args += ["-e", f"{name}={value}"]
                 proc = subprocess.Popen([*args, ctr, "/opt/venv/bin/extractedprism"],

@@ -76,20 +76,43 @@ class _Unframed(bytes):
     """Bytes written to a watch connection as they are, outside the chunked framing."""
 
 
+_DEFAULT: Any = object()
+
+
 def make_slice(
-    name: str,
-    addresses: Iterable[str],
+    name: str = "kubernetes",
+    addresses: Iterable[str] = ("10.0.0.1",),
     *,
     port: int = 6443,
     port_name: str = "https",
-    address_type: str = "IPv4",
+    address_type: Any = "IPv4",
     not_ready: Iterable[str] = (),
     namespace: str = "default",
     service: str = "kubernetes",
+    grouped: bool = False,
+    ready: Any = _DEFAULT,
+    ports: Any = _DEFAULT,
+    endpoints: Any = _DEFAULT,
 ) -> dict[str, Any]:
-    """An EndpointSlice in wire form; each address is its own endpoint, as kube does it."""
+    """An EndpointSlice in wire form; each address is its own endpoint, as kube does it.
+
+    For the parser's unit tests: ``grouped`` puts every address in one endpoint entry,
+    with ``conditions.ready`` only when ``ready`` is given; ``ports`` and ``endpoints``
+    replace those fields as they are (any value, also a malformed one).
+    """
     nr = set(not_ready)
     addrs = list(addresses)
+    if endpoints is not _DEFAULT:
+        entries = endpoints
+    elif grouped:
+        entry: dict[str, Any] = {"addresses": addrs}
+        if ready is not _DEFAULT:
+            entry["conditions"] = {"ready": ready}
+        entries = [entry]
+    else:
+        entries = [
+            {"addresses": [a], "conditions": {"ready": a not in nr}} for a in addrs
+        ] + [{"addresses": [a], "conditions": {"ready": False}} for a in nr if a not in addrs]
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
@@ -101,10 +124,9 @@ def make_slice(
             "labels": {SERVICE_LABEL: service},
         },
         "addressType": address_type,
-        "endpoints": [
-            {"addresses": [a], "conditions": {"ready": a not in nr}} for a in addrs
-        ] + [{"addresses": [a], "conditions": {"ready": False}} for a in nr if a not in addrs],
-        "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
+        "endpoints": entries,
+        "ports": ([{"name": port_name, "port": port, "protocol": "TCP"}]
+                  if ports is _DEFAULT else ports),
     }
 
 

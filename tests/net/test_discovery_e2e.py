@@ -15,7 +15,7 @@ from extractedprism.endpoints import Endpoint
 from tests.conftest import fast_config
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
 from tests.fakes.upstream import IdentityServer
-from tests.util import wait_until
+from tests.util import sample, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -71,7 +71,7 @@ def pickable(app: App) -> set[str]:
     return {u.address for u in app.registry.snapshot().upstreams if u.pickable}
 
 
-def connect(app: App) -> tuple[socket.socket, str | None]:
+def connect_named(app: App) -> tuple[socket.socket, str | None]:
     """A client connection through the proxy and the identity of its upstream (None for the
     fake API server, which says nothing first)."""
     host, port = app.proxy_address
@@ -87,7 +87,7 @@ def connect(app: App) -> tuple[socket.socket, str | None]:
 def seen_names(app: App, want: set[str], attempts: int = 60) -> set[str]:
     seen: set[str] = set()
     for _ in range(attempts):
-        s, name = connect(app)
+        s, name = connect_named(app)
         s.close()
         if name:
             seen.add(name)
@@ -98,7 +98,7 @@ def seen_names(app: App, want: set[str], attempts: int = 60) -> set[str]:
 
 def hold(app: App, name: str, attempts: int = 60) -> socket.socket:
     for _ in range(attempts):
-        s, got = connect(app)
+        s, got = connect_named(app)
         if got == name:
             return s
         s.close()
@@ -124,9 +124,9 @@ def test_discovered_endpoints_become_upstreams_and_receive_connections(
                    10, message="discovered upstreams")
         wait_until(lambda: len(pickable(app)) == 3, 10)
         assert seen_names(app, {"a", "b"}) == {"a", "b"}
-        assert app.metrics.sample(ERRORS, {"provider": "kubernetes"}) in (None, 0.0)
-        assert app.metrics.sample(UPDATES, {"provider": "kubernetes"}) == 1
-        assert app.metrics.sample(UPDATES, {"provider": "static"}) == 1
+        assert sample(app.metrics, ERRORS, {"provider": "kubernetes"}) in (None, 0.0)
+        assert sample(app.metrics, UPDATES, {"provider": "kubernetes"}) == 1
+        assert sample(app.metrics, UPDATES, {"provider": "static"}) == 1
     finally:
         assert app.stop()
 
@@ -250,7 +250,7 @@ def test_malformed_slice_is_skipped_and_discovery_goes_on(
         api.inject_raw(b"garbage that is not json")
         api.set_slice(make_slice("kubernetes", ["127.0.0.2"], port=port))
         wait_until(lambda: upstreams(app) == {static, f"127.0.0.2:{port}"}, 10)
-        assert app.metrics.sample(ERRORS, {"provider": "kubernetes"}) in (None, 0.0)
+        assert sample(app.metrics, ERRORS, {"provider": "kubernetes"}) in (None, 0.0)
     finally:
         assert app.stop()
 
@@ -269,11 +269,11 @@ def test_failing_kubernetes_provider_leaves_static_serving(
         app = start_app(api, tmp_path, static=[Endpoint("127.0.0.1", api.port),
                                                Endpoint(a.host, a.port)])
         try:
-            wait_until(lambda: (app.metrics.sample(ERRORS, {"provider": "kubernetes"}) or 0)
+            wait_until(lambda: (sample(app.metrics, ERRORS, {"provider": "kubernetes"}) or 0)
                        >= 1, 10, message="discovery error counted")
             assert upstreams(app) == {f"127.0.0.1:{api.port}", f"127.0.0.2:{a.port}"}
             assert seen_names(app, {"a"}) == {"a"}
-            assert app.discovery is not None and app.discovery.is_healthy()
+            assert app.discovery is not None and app.discovery.restarts == 0
         finally:
             assert app.stop()
 
@@ -286,7 +286,7 @@ def test_no_service_account_runs_static_only(
     app.start()
     try:
         assert seen_names(app, {"a"}) == {"a"}
-        assert app.discovery is not None and app.discovery.is_healthy()
+        assert app.discovery is not None and app.discovery.restarts == 0
         assert not app.discovery.running
     finally:
         assert app.stop()
@@ -327,9 +327,9 @@ def test_bad_input_neither_stops_discovery_nor_drops_connections(
             assert u is not None and not u.draining and addr in pickable(app)
             assert echoes(s)
             assert f"127.0.0.9:{port}" not in upstreams(app)
-        assert app.metrics.sample(ERRORS, {"provider": "kubernetes"}) == 1
+        assert sample(app.metrics, ERRORS, {"provider": "kubernetes"}) == 1
         assert app.discovery is not None and app.discovery.running
-        assert app.discovery.is_healthy()
+        assert app.discovery.restarts == 0
     finally:
         assert app.stop()
 
@@ -347,8 +347,7 @@ def test_emptying_the_only_slice_leaves_the_static_endpoints(
                                                                  "ports": None})
         wait_until(lambda: upstreams(app) == {static}, 10, message="static only")
         assert pickable(app) == {static}
-        assert app.merger.current() == [Endpoint("127.0.0.1", api.port)]
-        assert app.metrics.sample(ERRORS, {"provider": "kubernetes"}) in (None, 0.0)
+        assert sample(app.metrics, ERRORS, {"provider": "kubernetes"}) in (None, 0.0)
     finally:
         assert app.stop()
 
@@ -370,3 +369,38 @@ def test_ipv6_slice_endpoints_are_dialled_in_brackets(
             assert app.stop()
     finally:
         v6.stop()
+
+
+def test_a_dying_watcher_does_not_fail_healthz_and_is_restarted(
+        api: FakeApiServer, idents: dict[str, IdentityServer], tmp_path: Path) -> None:
+    # Provider failures are isolated: a watcher that dies is restarted and counted, and
+    # /healthz (a kubelet restart would cut every connection of the node) stays 200.
+    # The old heartbeat failed liveness with "discovery thread exited".
+    from extractedprism import watch
+    from tests.util import http
+
+    deaths: list[int] = []
+
+    def always_dies(self: object, client: object) -> None:
+        deaths.append(1)
+        raise RuntimeError("bug in the loop")
+
+    a = idents["a"]
+    original = watch.KubernetesProvider._watch_forever
+    watch.KubernetesProvider._watch_forever = always_dies  # type: ignore[method-assign]
+    try:
+        app = start_app(api, tmp_path, static=[Endpoint(a.host, a.port)])
+    finally:
+        watch.KubernetesProvider._watch_forever = original  # type: ignore[method-assign]
+    try:
+        wait_until(lambda: deaths, 10, message="the watcher died")
+        beat = app.heartbeat.last_beat
+        # several heartbeats (--liveness-interval) after the death
+        wait_until(lambda: app.heartbeat.last_beat > beat + 3 * app.config.liveness_interval,
+                   10 * app.config.liveness_threshold, message="heartbeats after the death")
+        assert http(app.health_address, "/healthz")[0] == 200
+        assert app.discovery is not None and app.discovery.running  # waiting to restart
+        assert sample(app.metrics, ERRORS, {"provider": "kubernetes"}) == len(deaths) >= 1
+        assert seen_names(app, {"a"}) == {"a"}
+    finally:
+        assert app.stop()

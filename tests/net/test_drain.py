@@ -7,8 +7,16 @@ import threading
 import time
 
 from extractedprism.endpoints import Endpoint
-from tests.net.test_proxy import connect, read_line, whoami
-from tests.util import connection_count, http, live_connections, wait_until
+from tests.util import (
+    connect,
+    connection_count,
+    http,
+    live_connections,
+    read_line,
+    sample,
+    wait_until,
+    whoami,
+)
 
 
 def open_to(app, name: str, want: int = 1, limit: int = 200) -> list[socket.socket]:  # type: ignore[no-untyped-def]
@@ -102,7 +110,7 @@ def test_metric_series_deleted_after_drain(make_app, servers):
     ups[0].close_listener()
     for _ in range(10):  # dial failures feed connection_errors_total{upstream=gone}
         connect(app).close()
-    wait_until(lambda: app.metrics.sample("extractedprism_connection_errors_total",
+    wait_until(lambda: sample(app.metrics, "extractedprism_connection_errors_total",
                                           {"upstream": gone}), 5)
     app.registry.set_endpoints([ups[1].endpoint])
     wait_until(lambda: app.registry.snapshot().get(gone) is None, 5)

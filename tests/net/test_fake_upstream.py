@@ -16,11 +16,6 @@ from tests.fakes.upstream import EchoServer, FakeUpstream, IdentityServer
 from tests.util import wait_until
 
 
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
 @pytest.fixture
 def up(ca: trustme.CA) -> Iterator[FakeUpstream]:
     with FakeUpstream(ca=ca, name="up1") as u:

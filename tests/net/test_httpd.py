@@ -118,6 +118,41 @@ def test_healthz_fails_when_a_core_thread_dies(app):
     wait_until(lambda: http(app.health_address, "/healthz")[0] == 503, 5)
 
 
+def test_healthz_fails_when_the_acceptor_is_stuck_not_only_dead(app):
+    # Alive but stuck (here: blocked in its loop): clients wait in the backlog. The
+    # heartbeat checks progress, not is_alive(); the old one kept /healthz at 200.
+    assert http(app.health_address, "/healthz")[0] == 200
+    release = threading.Event()
+    turned = app.proxy._on_accept_loop
+
+    def stuck() -> None:
+        turned()
+        release.wait(30)
+
+    app.proxy._on_accept_loop = stuck
+    try:
+        with socket.create_connection(app.proxy_address, timeout=5):  # taken: now stuck
+            pass
+        with socket.create_connection(app.proxy_address, timeout=5):  # waits in the backlog
+            bound = 10 * app.config.liveness_threshold
+            wait_until(lambda: http(app.health_address, "/healthz")[0] == 503, bound)
+            assert app.proxy.acceptor_alive()
+            assert "acceptor not accepting" in app.liveness_reason()
+    finally:
+        app.proxy._on_accept_loop = turned
+        release.set()
+    wait_until(lambda: http(app.health_address, "/healthz")[0] == 200,
+               10 * app.config.liveness_threshold)
+
+
+def test_an_idle_acceptor_is_alive(app):
+    # Blocked in accept() with nobody waiting is idle, not stuck.
+    beat = app.heartbeat.last_beat
+    wait_until(lambda: app.heartbeat.last_beat > beat + 3 * app.config.liveness_interval,
+               10 * app.config.liveness_threshold)
+    assert http(app.health_address, "/healthz")[0] == 200
+
+
 # -- hostile clients ---------------------------------------------------------------------
 # Raw sockets, because http.client cannot send most of these.
 

@@ -27,11 +27,6 @@ SLACK = 0.5  # scheduling noise allowed past a deadline
 
 
 @pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture(scope="module")
 def client_ca() -> trustme.CA:
     return trustme.CA()
 

@@ -23,26 +23,16 @@ from extractedprism.proxy import Proxy
 from extractedprism.registry import Registry
 from extractedprism.sockopts import USER_TIMEOUT_MS
 from tests.fakes.upstream import EchoServer
-from tests.util import connection_count, http, live_connections, wait_until
-
-
-def connect(app, timeout: float = 5.0) -> socket.socket:  # type: ignore[no-untyped-def]
-    return socket.create_connection(app.proxy_address, timeout=timeout)
-
-
-def read_line(sock: socket.socket) -> str:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = sock.recv(1)
-        if not chunk:
-            break
-        data += chunk
-    return data.decode().strip()
-
-
-def whoami(app) -> str:  # type: ignore[no-untyped-def]
-    with connect(app) as s:
-        return read_line(s)
+from tests.util import (
+    connect,
+    connection_count,
+    http,
+    live_connections,
+    read_line,
+    sample,
+    wait_until,
+    whoami,
+)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -274,7 +264,7 @@ def test_dial_failures_count_toward_the_streak_and_retry_elsewhere(make_app, ser
     answers = [whoami(app) for _ in range(100)]
     assert all(a in ("up1", "up2") for a in answers), collections.Counter(answers)
     assert not app.registry.snapshot().get(dead).healthy  # two failed dials excluded it
-    errors = app.metrics.sample("extractedprism_connection_errors_total", {"upstream": dead})
+    errors = sample(app.metrics, "extractedprism_connection_errors_total", {"upstream": dead})
     assert errors == 2
 
 
@@ -284,21 +274,21 @@ def test_readyz_503_when_all_upstreams_down_and_panic_mode(make_app, servers):
     assert http(app.health_address, "/readyz")[0] == 200
     for u in ups:
         u.close_listener()
-    wait_until(lambda: app.metrics.sample("extractedprism_panic") == 1, 5)
+    wait_until(lambda: sample(app.metrics, "extractedprism_panic") == 1, 5)
     assert http(app.health_address, "/readyz")[0] == 503
-    errors = sum(app.metrics.sample("extractedprism_connection_errors_total",
+    errors = sum(sample(app.metrics, "extractedprism_connection_errors_total",
                                     {"upstream": u.address}) or 0 for u in ups)
     # Panic mode: all down -> client closed.
     with connect(app) as s:
         assert s.recv(10) == b""
     # Attempts made while no upstream was available are not connection errors.
-    assert sum(app.metrics.sample("extractedprism_connection_errors_total",
+    assert sum(sample(app.metrics, "extractedprism_connection_errors_total",
                                   {"upstream": u.address}) or 0 for u in ups) == errors
     # One comes back but is still marked unhealthy: panic mode still reaches it.
     ups[1].start()
     with connect(app) as s:
         assert read_line(s) == "up1"
-    wait_until(lambda: app.metrics.sample("extractedprism_panic") == 0, 5)
+    wait_until(lambda: sample(app.metrics, "extractedprism_panic") == 0, 5)
 
 
 def test_no_thread_or_fd_growth_after_1000_short_connections(make_app, servers):

@@ -19,11 +19,6 @@ INTERVAL, TIMEOUT, DRAIN = 0.3, 0.25, 1.0
 
 
 @pytest.fixture
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture
 def ups(ca):  # type: ignore[no-untyped-def]
     made = [FakeUpstream(ca=ca, name=f"up{i}").start() for i in range(3)]
     yield made
@@ -49,7 +44,7 @@ def tls_conn(app, ca) -> ssl.SSLSocket:  # type: ignore[no-untyped-def]
     return ctx.wrap_socket(raw, server_hostname=SERVER_NAME)
 
 
-def whoami(app, ca) -> str:  # type: ignore[no-untyped-def]
+def whoami_tls(app, ca) -> str:  # type: ignore[no-untyped-def]
     with tls_conn(app, ca) as s:
         s.sendall(b"GET /whoami HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         data = b""
@@ -98,7 +93,7 @@ def test_unready_after_two_failures_and_no_new_connections(app, ups, ca):
     wait_until(lambda: readiness(app, bad.address) == "unready", 5)
     # Not after one failed probe: the second one decides.
     assert bad.hit_count("/readyz") - before >= 2
-    assert collections.Counter(whoami(app, ca) for _ in range(30)).keys() <= {"up1", "up2"}
+    assert collections.Counter(whoami_tls(app, ca) for _ in range(30)).keys() <= {"up1", "up2"}
     text = http(app.health_address, "/metrics")[2].decode()
     assert f'extractedprism_upstream_ready{{upstream="{bad.address}"}} 0.0' in text
     assert f'extractedprism_upstream_ready{{upstream="{ups[1].address}"}} 1.0' in text
@@ -134,7 +129,7 @@ def test_no_upstream_ready_falls_back_and_keeps_connections(app, ups, ca):
         wait_until(lambda: all(u.readiness == "unready" for u in app.registry.snapshot().upstreams),
                    5)
         # Fallback: every TCP-healthy upstream still takes new connections ...
-        seen = {whoami(app, ca) for _ in range(40)}
+        seen = {whoami_tls(app, ca) for _ in range(40)}
         assert seen == {"up0", "up1", "up2"}
         # ... and existing connections stay where they are.
         assert not is_closed(stream, DRAIN + 0.5)
@@ -149,7 +144,7 @@ def test_restarted_upstream_still_unready_gets_no_connections(app, ups, ca):
     wait_until(lambda: app.registry.snapshot().get(bad.address).healthy, 5)
     # The first probe after the reset settles it as not ready at once.
     assert readiness(app, bad.address) == "unready"
-    assert "up0" not in {whoami(app, ca) for _ in range(30)}
+    assert "up0" not in {whoami_tls(app, ca) for _ in range(30)}
 
 
 def test_new_upstream_is_not_ready_until_its_probe_passes(app, ups, ca):
@@ -160,7 +155,7 @@ def test_new_upstream_is_not_ready_until_its_probe_passes(app, ups, ca):
         # Pending until its first probe, which the ticker runs at once (and may already
         # have run): never ready in between.
         assert readiness(app, newcomer.address) in ("pending", "unready")
-        answers = {whoami(app, ca) for _ in range(40)}
+        answers = {whoami_tls(app, ca) for _ in range(40)}
         assert "up3" not in answers
         wait_until(lambda: readiness(app, newcomer.address) == "unready", 5)
     finally:
@@ -274,7 +269,7 @@ def test_unusable_ca_file_warns_at_startup_and_falls_back(make_app, ups, ca, tmp
                5)
     assert all(u.last_check_error == f"CA file missing: {missing}"
                for u in app.registry.snapshot().upstreams)
-    assert {whoami(app, ca) for _ in range(40)} == {"up0", "up1", "up2"}
+    assert {whoami_tls(app, ca) for _ in range(40)} == {"up0", "up1", "up2"}
     # The file appears: the next probes pass.
     ca.cert_pem.write_to_path(str(missing))
     wait_until(lambda: all(u.ready for u in app.registry.snapshot().upstreams), 5)

@@ -8,8 +8,15 @@ import socket
 import time
 
 from extractedprism.probes import probe
-from tests.net.test_proxy import connect, read_line, whoami
-from tests.util import first_checks_recorded, http, live_connections, wait_until
+from tests.util import (
+    connect,
+    first_checks_recorded,
+    http,
+    live_connections,
+    read_line,
+    wait_until,
+    whoami,
+)
 
 
 def test_least_conn_spreads_300_long_lived_connections_evenly(make_app, servers):

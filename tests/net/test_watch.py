@@ -23,7 +23,7 @@ from extractedprism.kube import ClientConfigError, proxy_url
 from extractedprism.metrics import Metrics
 from extractedprism.watch import KubernetesProvider
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
-from tests.util import FixedRandom, wait_until
+from tests.util import FixedRandom, sample, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +76,7 @@ class Harness:
         return [round(d, 6) for d, _ in self.sleeps]
 
     def errors(self) -> float:
-        return self.metrics.sample(ERRORS, {"provider": "kubernetes"}) or 0.0
+        return sample(self.metrics, ERRORS, {"provider": "kubernetes"}) or 0.0
 
     def wait_watches(self, n: int, open_: bool = True) -> None:
         wait_until(lambda: len(self.api.watch_requests()) >= n
@@ -149,17 +149,6 @@ def test_events_recompute_from_every_cached_slice(h: Harness) -> None:
     wait_until(lambda: h.last_endpoints() == [])
     assert h.errors() == 0
     assert len(h.api.watch_requests()) == 1
-
-
-def test_only_changes_are_sent(h: Harness) -> None:
-    h.wait_watches(1)
-    n = len(h.updates)
-    # same endpoints, different slice content: no update
-    h.api.set_slice(make_slice("kubernetes", ["10.0.0.2", "10.0.0.1"]))
-    h.api.set_slice(make_slice("other", ["10.0.0.9"], service="not-kubernetes"))
-    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.4"]))
-    wait_until(lambda: h.last_endpoints()[-1:] == ["10.0.0.4:6443"])
-    assert len(h.updates) == n + 1
 
 
 def test_garbage_in_the_stream_is_skipped(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
@@ -250,6 +239,7 @@ def test_an_unusable_update_keeps_the_slices_last_endpoints(
     wait_until(lambda: "10.0.0.3:6443" in h.last_endpoints())
     # the corrupt updates did not remove (and so drain) the slice's endpoints
     assert [[str(e) for e in u] for u in h.updates[n:]] == [
+        ["10.0.0.1:6443", "10.0.0.2:6443"]] * 5 + [
         ["10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"]]
     lines = slice_warnings(caplog, "kubernetes")
     fields = {m.split("field=")[1].split()[0] for m in lines if "field=" in m}
@@ -739,7 +729,7 @@ def test_no_client_logs_one_warning_and_stays_healthy(
     h.provider.start()
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "static endpoints only" in warnings[0].getMessage()
-    assert not h.provider.running and h.provider.is_healthy()
+    assert not h.provider.running and h.provider.restarts == 0
     assert h.provider.stop_and_join(1)
     assert api.slice_requests() == []
 
@@ -747,7 +737,7 @@ def test_no_client_logs_one_warning_and_stays_healthy(
 def test_discovery_disabled_starts_nothing(api: FakeApiServer, sa_dir: Path) -> None:
     h = Harness(api, sa_dir, enable_discovery=False)
     h.provider.start()
-    assert not h.provider.running and h.provider.is_healthy()
+    assert not h.provider.running and h.provider.restarts == 0
     assert api.slice_requests() == []
 
 
@@ -761,7 +751,7 @@ def test_stop_wakes_a_blocked_watch_promptly(api: FakeApiServer, sa_dir: Path) -
     t0 = time.monotonic()
     assert provider.stop_and_join(5)
     assert time.monotonic() - t0 < 2
-    assert provider.is_healthy()
+    assert provider.restarts == 0
 
 
 def test_stop_during_backoff_is_prompt(api: FakeApiServer, sa_dir: Path) -> None:
@@ -777,21 +767,45 @@ def test_stop_during_backoff_is_prompt(api: FakeApiServer, sa_dir: Path) -> None
     assert time.monotonic() - t0 < 1
 
 
-def test_unexpected_death_is_unhealthy_and_counted(h: Harness) -> None:
+def test_a_dying_watch_loop_is_restarted_with_backoff_counted_and_logged(
+        api: FakeApiServer, sa_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness(api, sa_dir)
+    real = h.provider._watch_forever
+    deaths = []
+
+    def dies_twice(client: object) -> None:
+        if len(deaths) < 2:
+            deaths.append(1)
+            raise RuntimeError("bug in the loop")
+        real(client)  # type: ignore[arg-type]
+
+    h.provider._watch_forever = dies_twice  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="extractedprism.watch"):
+        h.provider.start()
+        try:
+            h.wait_watches(1)  # restarted: listed and watching again
+            assert h.provider.running and h.provider.restarts == 2
+            assert h.errors() == 2  # each death counted
+            assert h.delays == [1.125, 2.25]  # the spec's backoff, J = 0.5
+            assert h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.2:6443"]
+        finally:
+            assert h.provider.stop_and_join(5)
+    died = [r for r in caplog.records if "kubernetes discovery failed" in r.getMessage()]
+    assert len(died) == 2 and all(r.exc_info for r in died)  # with the traceback
+
+
+def test_every_list_and_event_yields_an_update_also_unchanged(h: Harness) -> None:
+    # "Endpoint list updates received": every list and every slice event counts, the
+    # merge applies only changes (old code: only changed lists were handed on).
     h.wait_watches(1)
-    h.provider.stop_and_join(5)
-    assert h.provider.is_healthy()  # stopped on purpose
-
-    def boom(client: object) -> None:
-        raise RuntimeError("bug")
-
-    h2 = Harness(h.api, Path(h.provider._sa_dir or ""))
-    h2.provider._watch_forever = boom  # type: ignore[method-assign]
-    h2.provider.start()
-    wait_until(lambda: not h2.provider.running)
-    assert not h2.provider.is_healthy()
-    assert h2.errors() == 1
-    h2.provider.stop_and_join(1)
+    assert len(h.updates) == 1  # the list
+    h.api.set_slice(make_slice("kubernetes", ["10.0.0.2", "10.0.0.1"]))  # same endpoints
+    wait_until(lambda: len(h.updates) == 2, 10)
+    assert h.updates[0] == h.updates[1]
+    h.api.send_bookmark()  # no endpoint list: not an update
+    h.api.set_slice(make_slice("kubernetes-2", ["10.0.0.4"]))
+    wait_until(lambda: h.last_endpoints()[-1:] == ["10.0.0.4:6443"])
+    assert len(h.updates) == 3
 
 
 def test_ipv6_listener_is_bracketed(tmp_path: Path) -> None:

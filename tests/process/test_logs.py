@@ -43,7 +43,6 @@ def has(recs: list[dict[str, Any]], msg: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.fd_leak_ok("the fake API server's watch connections close with its threads")
 @pytest.mark.parametrize("fmt", ["logfmt", "json"])
 def test_every_line_parses_through_drains_failures_and_discovery(
         fmt: str, api: FakeApiServer, tmp_path: Path) -> None:
@@ -51,10 +50,15 @@ def test_every_line_parses_through_drains_failures_and_discovery(
     b = IdentityServer(name="b").start()
     kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
     api.set_slice(make_slice("kubernetes", ["127.0.0.1"], port=b.port))
-    p = start_proxy(tmp_path, "--endpoints", a.address, "--enable-discovery=true",
-                    "--kubeconfig", str(kubeconfig), "--drain-timeout", "0.5s",
-                    "--log-level", "debug", "--log-format", fmt)
     held: list[socket.socket] = []
+    try:
+        p = start_proxy(tmp_path, "--endpoints", a.address, "--enable-discovery=true",
+                        "--kubeconfig", str(kubeconfig), "--drain-timeout", "0.5s",
+                        "--log-level", "debug", "--log-format", fmt)
+    except BaseException:
+        a.stop()
+        b.stop()
+        raise
     try:
         wait_until(lambda: b.address in upstreams(p), 20, message="b discovered")
         # Connections to both (random selection: enough tries to land on b).

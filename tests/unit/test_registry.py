@@ -12,6 +12,7 @@ from extractedprism.endpoints import Endpoint
 from extractedprism.metrics import Metrics
 from extractedprism.probes import ProbeResult
 from extractedprism.registry import Change, Registry
+from tests.util import sample
 
 A, B, C = "10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"
 EPS = [Endpoint("10.0.0.1", 6443), Endpoint("10.0.0.2", 6443), Endpoint("10.0.0.3", 6443)]
@@ -100,9 +101,9 @@ def test_drain_deadline_and_removal_with_clock():
     clock.now += 0.2
     reg.tick()
     assert c.closed and reg.snapshot().get(A) is None
-    assert metrics.sample("extractedprism_connection_errors_total", {"upstream": A}) is None
+    assert sample(metrics, "extractedprism_connection_errors_total", {"upstream": A}) is None
     reg.record_dial(A, False, "late")  # not counted until added again
-    assert metrics.sample("extractedprism_connection_errors_total", {"upstream": A}) is None
+    assert sample(metrics, "extractedprism_connection_errors_total", {"upstream": A}) is None
 
 
 def test_draining_upstream_ignores_health_checks_and_holds_status():
@@ -142,7 +143,7 @@ def test_panic_flag_and_order():
         reg.record_probe(addr, DOWN)
     assert reg.pick() is None
     assert reg.snapshot().panic
-    assert metrics.sample("extractedprism_panic") == 1
+    assert sample(metrics, "extractedprism_panic") == 1
     assert [str(e) for e in reg.panic_order()] == [C, B, A]  # most recent success first
 
 
@@ -319,17 +320,17 @@ def test_counters_are_registry_state_exported_at_scrape_time():
     assert (snap.connections_total, snap.get(A).connection_errors) == (1, 1)
     assert snap.get(B).connection_errors == 0
     assert (snap.get(A).bytes_up, snap.get(A).bytes_down) == (10, 200)
-    assert metrics.sample("extractedprism_connections_total") == 1
-    assert metrics.sample("extractedprism_connection_errors_total", {"upstream": A}) == 1
-    assert metrics.sample("extractedprism_upstream_bytes_total",
+    assert sample(metrics, "extractedprism_connections_total") == 1
+    assert sample(metrics, "extractedprism_connection_errors_total", {"upstream": A}) == 1
+    assert sample(metrics, "extractedprism_upstream_bytes_total",
                           {"upstream": A, "direction": "down"}) == 200
     reg.detach(A, c)  # finished connections' bytes stay with the record
     assert reg.snapshot().get(A).bytes_down == 200
     reg.set_endpoints(EPS[1:])  # no connections left: removed at once
-    assert metrics.sample("extractedprism_connection_errors_total", {"upstream": A}) is None
-    assert metrics.sample("extractedprism_upstream_bytes_total",
+    assert sample(metrics, "extractedprism_connection_errors_total", {"upstream": A}) is None
+    assert sample(metrics, "extractedprism_upstream_bytes_total",
                           {"upstream": A, "direction": "down"}) is None
-    assert metrics.sample("extractedprism_connections_total") == 1  # global: keeps counting
+    assert sample(metrics, "extractedprism_connections_total") == 1  # global: keeps counting
 
 
 def test_the_registry_needs_no_metrics_object():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -11,29 +12,13 @@ from hypothesis import strategies as st
 
 from extractedprism.endpoints import Endpoint
 from extractedprism.slices import endpoints_from_slice, endpoints_from_slices, parse_slice
+from tests.fakes.fake_apiserver import make_slice as fake_make_slice
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def make_slice(name: str = "kubernetes", addresses: list[Any] | None = None, *,
-               address_type: Any = "IPv4", ports: Any = None, ready: Any = None,
-               endpoints: Any = "default") -> dict[str, Any]:
-    if ports is None:
-        ports = [{"name": "https", "port": 6443, "protocol": "TCP"}]
-    if endpoints == "default":
-        ep: dict[str, Any] = {"addresses": addresses or ["10.0.0.1"]}
-        if ready is not None:
-            ep["conditions"] = {"ready": ready}
-        endpoints = [ep]
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {"name": name, "namespace": "default", "resourceVersion": "1",
-                     "labels": {"kubernetes.io/service-name": "kubernetes"}},
-        "addressType": address_type,
-        "endpoints": endpoints,
-        "ports": ports,
-    }
+# The parser's view of a slice: every address in one endpoint entry.
+make_slice = functools.partial(fake_make_slice, grouped=True)
 
 
 def test_basic_slice() -> None:

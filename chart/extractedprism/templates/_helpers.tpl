@@ -228,6 +228,7 @@ shutdown-drain-timeout: shutdownDrainTimeout
 state-file: stateFile
 static-endpoints: staticEndpoints
 log-format: logFormat
+admin-socket: adminSocket
 {{- end -}}
 
 {{/* Integer-valued keys: printed as whole numbers even when values arrive as floats (JSON). */}}

@@ -59,6 +59,12 @@ Like the program, all problems are reported at once.
 {{- if le (float64 $grace) (addf $drain 10) -}}
 {{- $problems = append $problems (printf "terminationGracePeriodSeconds (%d) must be more than shutdownDrainTimeout (%s) plus the 10s the shutdown itself may take, or the kubelet kills the pod mid-drain (leave it empty to derive it)" $grace (toString $v.shutdownDrainTimeout)) -}}
 {{- end -}}
+{{- if $v.adminSocket -}}
+{{- $adminDir := dir $v.adminSocket -}}
+{{- if has $adminDir (include "extractedprism.hostDirs" . | fromJsonArray) -}}
+{{- $problems = append $problems (printf "adminSocket (%s) needs a directory of its own (a per-pod emptyDir), not %s, which is a host directory of handoverSocket or stateFile" $v.adminSocket $adminDir) -}}
+{{- end -}}
+{{- end -}}
 {{- if $v.podMonitor.enabled -}}
 {{- $addr := include "extractedprism.healthAddress" . -}}
 {{- if or (hasPrefix "127." $addr) (eq $addr "::1") (eq $addr "localhost") -}}

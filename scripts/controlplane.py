@@ -1,0 +1,875 @@
+"""A real Kubernetes control plane on this machine: etcd and three kube-apiservers.
+
+Used by tests/controlplane (through :class:`ControlPlane`) and by people (through
+``scripts/controlplane VERB``). Each process runs in a network namespace of its own,
+joined by veth pairs to a bridge in the root namespace; the bridge has no uplink and no
+namespace has a default route, so nothing can leave the machine. The root namespace
+(where extractedprism and the test clients run) reaches every process over the bridge.
+EndpointSlice addresses may not be loopback, hence the namespaces.
+
+Runs are independent: every run has a random id, and everything it makes is named after
+it (namespaces ``epcp-<id>-etcd``, ``-api1``.., bridge ``epcpb<id>``, veths ``epcp<id><n>``)
+and lives in its own /24 inside 192.168.200.0-192.168.254.255 that no link uses yet. The run's
+state file lists each namespace, link and process *before* it is made, so ``down`` removes
+exactly what the run made, also after a crash in the middle of ``up``, and nothing else:
+a namespace is deleted only when its nsfs inode is the one recorded at creation, a
+process is signalled only when its command line still names the run directory.
+
+Faults (each its own verb): kill -9, SIGSTOP/SIGCONT, graceful SIGTERM, start again;
+partitioning an apiserver from etcd with permanent neighbour entries that point at a MAC
+address nobody has (this kernel has no iptables or nft; such frames are dropped
+silently, as a DROP rule would); stopping and starting etcd; etcd compaction, after
+which an old resourceVersion answers 410.
+
+Standard library only (plus ``openssl`` for the PKI), so it runs with the system python3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import ipaddress
+import json
+import os
+import secrets
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import controlplane_build as cpbuild  # noqa: E402
+
+APISERVERS = ("api1", "api2", "api3")
+PORT = 6443
+ETCD_PORT = 2379
+SUBNET_POOL = [ipaddress.ip_network(f"192.168.{n}.0/24") for n in range(200, 255)]
+HOST_INDEX = {"bridge": 1, "etcd": 10, "api1": 11, "api2": 12, "api3": 13}
+DEAD_MAC = "02:00:00:00:de:ad"  # locally administered; no interface has it
+SERVER_NAME = "kubernetes.default.svc"
+SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+NODE_NAME = "node1"  # the node whose client certificate the run issues
+UP_TIMEOUT = 120.0  # from nothing to three ready apiservers listed in the slice
+STATE_ROOT_DEFAULT = "/tmp/extractedprism-controlplane"
+
+# Default-on admission plugins the tests never exercise; off, the apiservers start faster
+# and need less memory. NamespaceLifecycle stays (namespaces are used and deleted).
+DISABLED_ADMISSION = ",".join([
+    "ServiceAccount", "TaintNodesByCondition", "PodSecurity", "Priority",
+    "DefaultTolerationSeconds", "DefaultStorageClass", "StorageObjectInUseProtection",
+    "PersistentVolumeClaimResize", "RuntimeClass", "CertificateApproval",
+    "CertificateSigning", "ClusterTrustBundleAttest", "CertificateSubjectRestriction",
+    "DefaultIngressClass", "MutatingAdmissionWebhook", "ValidatingAdmissionWebhook",
+    "ValidatingAdmissionPolicy", "ResourceQuota", "LimitRanger",
+])
+
+
+class CPError(Exception):
+    """A control-plane operation failed; the message says which and why."""
+
+
+def state_root() -> Path:
+    return Path(os.environ.get("EP_CONTROLPLANE_STATE") or STATE_ROOT_DEFAULT)
+
+
+def _log(msg: str) -> None:
+    print(f"controlplane: {msg}", file=sys.stderr, flush=True)
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise CPError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
+    return proc
+
+
+def missing_prerequisites() -> str | None:
+    """What this machine lacks for a control plane, in one line (None: nothing)."""
+    if os.geteuid() != 0:
+        return "not root (network namespaces need CAP_SYS_ADMIN/CAP_NET_ADMIN)"
+    if shutil.which("ip") is None:
+        return "no `ip` command (install iproute2)"
+    if _ip("netns", "list", check=False).returncode != 0:
+        return "`ip netns` does not work here"
+    if shutil.which("openssl") is None:
+        return "no `openssl` command (needed for the run's PKI)"
+    if cpbuild.missing() and cpbuild.find_go() is None:
+        return "no Go toolchain to build etcd/kube-apiserver (set GO= or install Go)"
+    return None
+
+
+# --- PKI (openssl) ------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+    if proc.returncode != 0:
+        raise CPError(f"openssl {args[0]} failed: {proc.stderr.strip()[-500:]}")
+
+
+def _issue(pki: Path, name: str, subject: str, ext: str) -> None:
+    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject,
+             cwd=pki)
+    (pki / f"{name}.ext").write_text(
+        ext + "\nbasicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\n"
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-days", "7", "-sha256", "-extfile", f"{name}.ext",
+             "-out", f"{name}.crt", cwd=pki)
+    (pki / f"{name}.csr").unlink()
+    (pki / f"{name}.ext").unlink()
+
+
+def make_pki(pki: Path, ips: list[str]) -> dict[str, str]:
+    """One CA for serving and client certificates; returns the tokens."""
+    pki.mkdir(parents=True, exist_ok=True)
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "7", "-sha256",
+             "-subj", "/CN=extractedprism-controlplane-ca",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=pki)
+    sans = ",".join(["DNS:kubernetes", "DNS:kubernetes.default", f"DNS:{SERVER_NAME}",
+                     "DNS:kubernetes.default.svc.cluster.local", "DNS:localhost",
+                     "IP:127.0.0.1", *(f"IP:{ip}" for ip in ips)])
+    _issue(pki, "apiserver", "/CN=kube-apiserver",
+           f"subjectAltName={sans}\nextendedKeyUsage=serverAuth")
+    # The node's kubelet client certificate, as the Node authorizer expects it.
+    _issue(pki, "node", f"/O=system:nodes/CN=system:node:{NODE_NAME}",
+           "extendedKeyUsage=clientAuth")
+    _issue(pki, "admin", "/O=system:masters/CN=cp-admin", "extendedKeyUsage=clientAuth")
+    # Service-account token signing pair.
+    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=pki)
+    _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+    tokens = {"admin": secrets.token_hex(16), "extractedprism": secrets.token_hex(16)}
+    (pki / "tokens.csv").write_text(
+        f'{tokens["admin"]},cp-admin,cp-admin,"system:masters"\n'
+        f'{tokens["extractedprism"]},extractedprism,extractedprism,""\n')
+    (pki / "admin.token").write_text(tokens["admin"] + "\n")
+    (pki / "extractedprism.token").write_text(tokens["extractedprism"] + "\n")
+    for f in pki.iterdir():
+        f.chmod(0o600)
+    return tokens
+
+
+def kubeconfig(server: str, ca: str, token: str | None = None, cert: str | None = None,
+               key: str | None = None, server_name: str | None = SERVER_NAME) -> str:
+    """A kubeconfig as JSON (a YAML subset, so every loader reads it)."""
+    cluster: dict[str, Any] = {"server": server, "certificate-authority": ca}
+    if server_name:
+        cluster["tls-server-name"] = server_name
+    user: dict[str, Any] = {}
+    if token:
+        user["token"] = token
+    if cert:
+        user["client-certificate"] = cert
+        user["client-key"] = key or cert
+    return json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "cp",
+        "clusters": [{"name": "cp", "cluster": cluster}],
+        "users": [{"name": "cp", "user": user}],
+        "contexts": [{"name": "cp", "context": {"cluster": "cp", "user": "cp"}}],
+    }, indent=1) + "\n"
+
+
+# --- the run --------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+
+
+class ControlPlane:
+    """One run: its directory, state file, namespaces, links and processes."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir
+        self.state: dict[str, Any] = json.loads((run_dir / "state.json").read_text())
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+
+    # -- state --
+
+    @classmethod
+    def create(cls, owner_pid: int | None = None) -> ControlPlane:
+        root = state_root()
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        run_id = secrets.token_hex(3)
+        run_dir = root / run_id
+        run_dir.mkdir(mode=0o700)
+        subnet = _free_subnet()
+        hosts = list(subnet.hosts())
+        ips = {name: str(hosts[idx - 1]) for name, idx in HOST_INDEX.items()}
+        state = {
+            "id": run_id, "dir": str(run_dir), "owner_pid": owner_pid,
+            "created_at": time.time(), "subnet": str(subnet), "ips": ips,
+            "bridge": f"epcpb{run_id}",
+            "netns": {n: f"epcp-{run_id}-{n}" for n in ("etcd", *APISERVERS)},
+            "veth": {n: f"epcp{run_id}{n[-1] if n != 'etcd' else 'e'}"
+                     for n in ("etcd", *APISERVERS)},
+            "made": [],  # [kind, name, extra]: the journal `down` undoes in reverse
+            "pids": {},
+            "versions": {"kubernetes": cpbuild.KUBERNETES_VERSION, "etcd": cpbuild.ETCD_VERSION},
+            "bin": str(cpbuild.cache_dir()),
+        }
+        (run_dir / "state.json").write_text(json.dumps(state, indent=1))
+        with contextlib.suppress(OSError):
+            (root / "current").unlink()
+        (root / "current").symlink_to(run_id)
+        return cls(run_dir)
+
+    def save(self) -> None:
+        tmp = self.dir / "state.json.tmp"
+        tmp.write_text(json.dumps(self.state, indent=1))
+        os.replace(tmp, self.dir / "state.json")
+
+    def _journal(self, kind: str, name: str, extra: Any = None) -> None:
+        self.state["made"].append([kind, name, extra])
+        self.save()
+
+    @property
+    def id(self) -> str:
+        return str(self.state["id"])
+
+    def ip(self, name: str) -> str:
+        return str(self.state["ips"][name])
+
+    def endpoint(self, api: str) -> str:
+        return f"{self.ip(api)}:{PORT}"
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [self.endpoint(a) for a in APISERVERS]
+
+    @property
+    def pki(self) -> Path:
+        return self.dir / "pki"
+
+    @property
+    def ca(self) -> str:
+        return str(self.pki / "ca.crt")
+
+    def token(self, who: str = "admin") -> str:
+        return (self.pki / f"{who}.token").read_text().strip()
+
+    def token_file(self, who: str = "admin") -> str:
+        return str(self.pki / f"{who}.token")
+
+    def binary(self, name: str) -> str:
+        return str(Path(self.state["bin"]) / name)
+
+    # -- network --
+
+    def _make_network(self) -> None:
+        br = self.state["bridge"]
+        subnet = ipaddress.ip_network(self.state["subnet"])
+        self._journal("link", br)
+        _ip("link", "add", br, "type", "bridge")
+        _ip("addr", "add", f"{self.ip('bridge')}/{subnet.prefixlen}", "dev", br)
+        _ip("link", "set", br, "up")
+        for name, ns in self.state["netns"].items():
+            if Path(f"/run/netns/{ns}").exists():
+                raise CPError(f"network namespace {ns} exists already; not touching it")
+            self._journal("netns", ns)
+            _ip("netns", "add", ns)
+            self.state["made"][-1][2] = os.stat(f"/run/netns/{ns}").st_ino
+            self.save()
+            veth = self.state["veth"][name]
+            self._journal("link", veth)
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{self.ip(name)}/{subnet.prefixlen}", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("link", "set", veth, "master", br, "up")
+
+    def _ours(self, ns: str) -> bool:
+        for kind, name, extra in self.state["made"]:
+            if kind == "netns" and name == ns:
+                try:
+                    return extra is not None and os.stat(f"/run/netns/{ns}").st_ino == extra
+                except FileNotFoundError:
+                    return False
+        return False
+
+    # -- processes --
+
+    def _pidfile(self, name: str) -> Path:
+        return self.dir / f"{name}.pid"
+
+    def pid(self, name: str) -> int | None:
+        try:
+            pid = int(self._pidfile(name).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return pid if self._is_ours(pid) else None
+
+    def _is_ours(self, pid: int) -> bool:
+        """Alive and still the process we started (its argv names our run directory)."""
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+        return str(self.dir).encode() in cmdline
+
+    def _spawn(self, name: str, ns: str, argv: list[str]) -> int:
+        log_path = self.dir / f"{name}.log"
+        with open(log_path, "ab") as logf:
+            logf.write(f"---- start {time.strftime('%H:%M:%S')} ----\n".encode())
+            logf.flush()
+            # `ip netns exec` execs the binary: the pid is the binary's own.
+            proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdin=subprocess.DEVNULL,
+                                    stdout=logf, stderr=logf, start_new_session=True,
+                                    close_fds=True)
+        self._pidfile(name).write_text(f"{proc.pid}\n")
+        self.state["pids"][name] = proc.pid
+        self.save()
+        # Kept to reap it when it exits while this process lives (a test session); a CLI
+        # `up` exits at once and init reaps.
+        self._children[name] = proc
+        return proc.pid
+
+    def _etcd_argv(self) -> list[str]:
+        ip = self.ip("etcd")
+        return [self.binary("etcd"), "--name=etcd0", f"--data-dir={self.dir}/etcd-data",
+                f"--listen-client-urls=http://{ip}:{ETCD_PORT}",
+                f"--advertise-client-urls=http://{ip}:{ETCD_PORT}",
+                "--listen-peer-urls=http://127.0.0.1:2380",
+                "--initial-advertise-peer-urls=http://127.0.0.1:2380",
+                "--initial-cluster=etcd0=http://127.0.0.1:2380",
+                "--initial-cluster-state=new",
+                # A test fixture on tmp storage: fsync buys nothing and costs the others.
+                "--unsafe-no-fsync", "--log-level=warn"]
+
+    def _apiserver_argv(self, api: str, extra: list[str]) -> list[str]:
+        pki = self.pki
+        return [self.binary("kube-apiserver"),
+                f"--etcd-servers=http://{self.ip('etcd')}:{ETCD_PORT}",
+                f"--secure-port={PORT}", f"--bind-address={self.ip(api)}",
+                f"--advertise-address={self.ip(api)}",
+                f"--cert-dir={self.dir}/{api}-certs",
+                f"--tls-cert-file={pki}/apiserver.crt",
+                f"--tls-private-key-file={pki}/apiserver.key",
+                f"--client-ca-file={pki}/ca.crt",
+                f"--service-account-key-file={pki}/sa.pub",
+                f"--service-account-signing-key-file={pki}/sa.key",
+                f"--service-account-issuer={SA_ISSUER}",
+                f"--token-auth-file={pki}/tokens.csv",
+                "--authorization-mode=Node,RBAC",
+                "--endpoint-reconciler-type=lease",
+                "--service-cluster-ip-range=10.96.0.0/24",
+                "--profiling=false", "--enable-priority-and-fairness=false",
+                "--watch-cache=false", "--enable-garbage-collector=false", "--event-ttl=5m",
+                f"--disable-admission-plugins={DISABLED_ADMISSION}",
+                "--v=1", *extra]
+
+    def start_etcd(self) -> int:
+        if self.pid("etcd"):
+            raise CPError("etcd is running already")
+        return self._spawn("etcd", self.state["netns"]["etcd"], self._etcd_argv())
+
+    def start(self, api: str, extra: list[str] | None = None) -> int:
+        """Start an apiserver (``extra`` flags for this start only); returns its pid."""
+        self._check_api(api)
+        if self.pid(api):
+            raise CPError(f"{api} is running already (pid {self.pid(api)})")
+        self.state.setdefault("extra", {})[api] = list(extra or [])
+        return self._spawn(api, self.state["netns"][api], self._apiserver_argv(api, extra or []))
+
+    def extra_args(self, api: str) -> list[str]:
+        """The extra flags ``api`` was last started with (empty: the defaults)."""
+        return list(self.state.get("extra", {}).get(api, []))
+
+    def _check_api(self, api: str) -> None:
+        if api not in APISERVERS:
+            raise CPError(f"unknown apiserver {api!r}; one of {', '.join(APISERVERS)}")
+
+    def signal(self, name: str, sig: signal.Signals) -> int:
+        pid = self.pid(name)
+        if pid is None:
+            raise CPError(f"{name} is not running")
+        os.kill(pid, sig)
+        return pid
+
+    def _reap(self) -> None:
+        for name, child in list(self._children.items()):
+            if child.poll() is not None:
+                del self._children[name]
+
+    def running(self, name: str) -> bool:
+        self._reap()
+        return self.pid(name) is not None
+
+    def wait_exit(self, name: str, timeout: float) -> bool:
+        pid = self.state["pids"].get(name)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._reap()
+            if pid is None or not self._is_ours(pid):
+                child = self._children.pop(name, None)
+                if child is not None:  # a zombie of ours: collect it
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        child.wait(max(0.1, deadline - time.monotonic()))
+                return True
+            time.sleep(0.05)
+        return False
+
+    def kill(self, api: str) -> None:
+        self._check_api(api)
+        self.signal(api, signal.SIGKILL)
+        self.wait_exit(api, 10)
+
+    def term(self, api: str) -> None:
+        """Graceful SIGTERM; returns once the signal is sent (the process drains on its own)."""
+        self._check_api(api)
+        self.signal(api, signal.SIGTERM)
+
+    def stop(self, api: str) -> None:
+        self._check_api(api)
+        self.signal(api, signal.SIGSTOP)
+
+    def cont(self, api: str) -> None:
+        self._check_api(api)
+        self.signal(api, signal.SIGCONT)
+
+    def etcd_down(self) -> None:
+        self.signal("etcd", signal.SIGKILL)
+        self.wait_exit("etcd", 10)
+
+    def etcd_up(self) -> None:
+        self.start_etcd()
+        self.wait_etcd(30)
+
+    # -- partitions --
+
+    def partition_etcd(self, api: str) -> None:
+        """Frames between ``api`` and etcd go to a MAC nobody has: both directions drop."""
+        self._check_api(api)
+        ns = self.state["netns"]
+        _ip("-n", ns[api], "neigh", "replace", self.ip("etcd"), "lladdr", DEAD_MAC,
+            "dev", "eth0", "nud", "permanent")
+        _ip("-n", ns["etcd"], "neigh", "replace", self.ip(api), "lladdr", DEAD_MAC,
+            "dev", "eth0", "nud", "permanent")
+
+    def heal(self, api: str) -> None:
+        self._check_api(api)
+        ns = self.state["netns"]
+        _ip("-n", ns[api], "neigh", "del", self.ip("etcd"), "dev", "eth0", check=False)
+        _ip("-n", ns["etcd"], "neigh", "del", self.ip(api), "dev", "eth0", check=False)
+
+    # -- HTTP helpers (root namespace, over the bridge) --
+
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca)
+        return ctx
+
+    def request(self, api: str, path: str, method: str = "GET", body: Any = None,
+                token: str | None = "admin", timeout: float = 5.0,
+                cert: str | None = None) -> tuple[int, Any]:
+        """(status, decoded JSON or text) from one apiserver, verified as kubernetes.default.svc."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"https://{self.endpoint(api)}{path}", data=data,
+                                     method=method)
+        if token:
+            req.add_header("Authorization", f"Bearer {self.token(token)}")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        ctx = self.ssl_context()
+        if cert:  # a client certificate of the run's PKI, by name: "node", "admin"
+            ctx.load_cert_chain(str(self.pki / f"{cert}.crt"), str(self.pki / f"{cert}.key"))
+        try:
+            with _sni_opener(ctx).open(req, timeout=timeout) as resp:
+                raw = resp.read()
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            status = exc.code
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    def readyz(self, api: str, timeout: float = 3.0) -> int | None:
+        try:
+            return self.request(api, "/readyz", timeout=timeout)[0]
+        except (OSError, ssl.SSLError):
+            return None
+
+    def slice_addresses(self, via: str | None = None) -> set[str] | None:
+        """Addresses of the ``kubernetes`` EndpointSlice (asked of the first answering apiserver)."""
+        for api in ([via] if via else APISERVERS):
+            try:
+                status, body = self.request(
+                    api, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
+                    "?labelSelector=kubernetes.io%2Fservice-name%3Dkubernetes", timeout=3)
+            except (OSError, ssl.SSLError):
+                continue
+            if status == 200 and isinstance(body, dict):
+                out = set()
+                for item in body.get("items") or []:
+                    for ep in item.get("endpoints") or []:
+                        if (ep.get("conditions") or {}).get("ready") is False:
+                            continue
+                        out.update(ep.get("addresses") or [])
+                return out
+        return None
+
+    def wait_etcd(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.etcd_revision()
+                return
+            except (OSError, CPError, ValueError):
+                time.sleep(0.1)
+        raise CPError(f"etcd not serving within {timeout:g}s (see {self.dir}/etcd.log)")
+
+    def wait_ready(self, apis: tuple[str, ...] | list[str] = APISERVERS,
+                   timeout: float = UP_TIMEOUT, in_slice: bool = True) -> float:
+        """Wait until each of ``apis`` answers /readyz 200 (and is in the slice); seconds taken."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        want = {self.ip(a) for a in apis}
+        while True:
+            for api in apis:
+                pid = self.state["pids"].get(api)
+                if pid is not None and not self._is_ours(pid):
+                    tail = (self.dir / f"{api}.log").read_text(errors="replace")[-1500:]
+                    raise CPError(f"{api} exited while starting; log tail:\n{tail}")
+            ready = all(self.readyz(a) == 200 for a in apis)
+            if ready and (not in_slice or want <= (self.slice_addresses() or set())):
+                return time.monotonic() - t0
+            if time.monotonic() > deadline:
+                raise CPError(f"{', '.join(apis)} not ready (and in the kubernetes "
+                              f"EndpointSlice) within {timeout:g}s; logs in {self.dir}")
+            time.sleep(0.2)
+
+    def wait_slice(self, want: set[str], timeout: float) -> float:
+        t0 = time.monotonic()
+        while self.slice_addresses() != want:
+            if time.monotonic() - t0 > timeout:
+                raise CPError(f"EndpointSlice never became {sorted(want)} "
+                              f"(last {self.slice_addresses()}) within {timeout:g}s")
+            time.sleep(0.2)
+        return time.monotonic() - t0
+
+    # -- etcd --
+
+    def _etcd_post(self, path: str, body: dict[str, Any], timeout: float = 5.0) -> Any:
+        req = urllib.request.Request(f"http://{self.ip('etcd')}:{ETCD_PORT}{path}",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with _plain_opener().open(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def etcd_revision(self) -> int:
+        out = self._etcd_post("/v3/kv/range", {"key": base64.b64encode(b"/").decode(),
+                                               "limit": 1})
+        return int(out["header"]["revision"])
+
+    def compact(self) -> int:
+        """Compact etcd at its current revision; returns that revision."""
+        rev = self.etcd_revision()
+        self._etcd_post("/v3/kv/compaction", {"revision": rev, "physical": True}, timeout=30)
+        return rev
+
+    # -- up / down --
+
+    def up(self, timeout: float = UP_TIMEOUT) -> float:
+        t0 = time.monotonic()
+        self._make_network()
+        make_pki(self.pki, [self.ip(a) for a in APISERVERS])
+        self.write_kubeconfigs()
+        self.start_etcd()
+        self.wait_etcd(30)
+        for api in APISERVERS:
+            self.start(api)
+        self.wait_ready(timeout=timeout)
+        self._bootstrap_rbac()
+        return time.monotonic() - t0
+
+    def write_kubeconfigs(self) -> None:
+        for api in APISERVERS:
+            (self.dir / f"admin-{api}.kubeconfig").write_text(kubeconfig(
+                f"https://{self.endpoint(api)}", self.ca, token=self.token("admin")))
+        (self.dir / "admin.kubeconfig").write_text(kubeconfig(
+            f"https://{self.endpoint('api1')}", self.ca, token=self.token("admin")))
+        (self.dir / "node.kubeconfig").write_text(kubeconfig(
+            f"https://{self.endpoint('api1')}", self.ca, cert=str(self.pki / "node.crt"),
+            key=str(self.pki / "node.key")))
+
+    def proxy_kubeconfig(self, port: int, path: Path, who: str = "admin",
+                         host: str = "127.0.0.1") -> Path:
+        """A kubeconfig that reaches the cluster through a local proxy on ``host:port``."""
+        path.write_text(kubeconfig(f"https://{host}:{port}", self.ca, token=self.token(who)))
+        return path
+
+    def _bootstrap_rbac(self) -> None:
+        """What the chart grants extractedprism: get/list/watch EndpointSlices."""
+        role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                "metadata": {"name": "extractedprism"},
+                "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                           "verbs": ["get", "list", "watch"]}]}
+        binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                   "metadata": {"name": "extractedprism"},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                               "name": "extractedprism"},
+                   "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                                 "name": "extractedprism"}]}
+        base = "/apis/rbac.authorization.k8s.io/v1"
+        for path, obj in ((f"{base}/clusterroles", role),
+                          (f"{base}/clusterrolebindings", binding)):
+            status, body = self.request("api1", path, method="POST", body=obj)
+            if status not in (201, 409):
+                raise CPError(f"creating {obj['kind']} extractedprism: {status} {body}")
+
+    def down(self) -> list[str]:
+        """Stop every process, delete every namespace and link this run made; idempotent."""
+        done = []
+        names = sorted(self.state["pids"], key=lambda n: n == "etcd")  # apiservers first
+        for name in names:
+            pid = self.state["pids"][name]
+            if self._is_ours(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)  # a stopped process would not die of TERM
+                    os.kill(pid, signal.SIGKILL)
+                done.append(f"killed {name} pid {pid}")
+        for name in names:
+            self.wait_exit(name, 10)
+        for kind, name, _ in reversed(self.state["made"]):
+            if kind == "link":
+                if _ip("link", "show", name, check=False).returncode == 0:
+                    _ip("link", "del", name, check=False)
+                    done.append(f"deleted link {name}")
+            elif kind == "netns":
+                if self._ours(name):
+                    _ip("netns", "del", name, check=False)
+                    done.append(f"deleted netns {name}")
+                elif Path(f"/run/netns/{name}").exists():
+                    done.append(f"left netns {name}: not the one this run made")
+        # `ip netns del` frees the namespace's devices asynchronously: wait for the veths.
+        deadline = time.monotonic() + 10
+        for kind, name, _ in self.state["made"]:
+            while (kind == "link" and time.monotonic() < deadline
+                   and _ip("link", "show", name, check=False).returncode == 0):
+                time.sleep(0.05)
+        self.state["downed_at"] = time.time()
+        self.save()
+        return done
+
+
+class _SNIHTTPSHandler(urllib.request.HTTPSHandler):
+    """Connect to the IP in the URL, but send SNI and verify as kubernetes.default.svc."""
+
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        super().__init__(context=ctx)
+        self._ctx = ctx
+
+    def https_open(self, req: urllib.request.Request) -> Any:
+        import http.client
+
+        ctx = self._ctx
+
+        class Conn(http.client.HTTPSConnection):
+            def connect(self) -> None:
+                http.client.HTTPConnection.connect(self)
+                self.sock = ctx.wrap_socket(self.sock, server_hostname=SERVER_NAME)
+
+        return self.do_open(Conn, req)
+
+
+def _sni_opener(ctx: ssl.SSLContext) -> urllib.request.OpenerDirector:
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}), _SNIHTTPSHandler(ctx))
+
+
+def _plain_opener() -> urllib.request.OpenerDirector:
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    out = _ip("-4", "-o", "addr", "show").stdout
+    used = []
+    for line in out.splitlines():
+        parts = line.split()
+        if "inet" in parts:
+            used.append(ipaddress.ip_interface(parts[parts.index("inet") + 1]).network)
+    routes = _ip("-4", "route", "show", "table", "all", check=False).stdout.split()
+    for word in routes:
+        with contextlib.suppress(ValueError):
+            if "/" in word:
+                used.append(ipaddress.ip_network(word, strict=False))
+    candidates = [n for n in SUBNET_POOL if not any(n.overlaps(u) for u in used)]
+    if not candidates:
+        raise CPError("no free /24 in 192.168.200.0-192.168.254.255 for the control plane")
+    return candidates[secrets.randbelow(len(candidates))]
+
+
+def runs() -> list[ControlPlane]:
+    out = []
+    root = state_root()
+    if not root.is_dir():
+        return out
+    for d in sorted(root.iterdir()):
+        if d.is_dir() and (d / "state.json").is_file():
+            with contextlib.suppress(ValueError, OSError):
+                out.append(ControlPlane(d))
+    return out
+
+
+def _owner_alive(cp: ControlPlane) -> bool:
+    pid = cp.state.get("owner_pid")
+    if not pid:
+        return True  # started by a person: only an explicit `down` ends it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def down_stale() -> list[str]:
+    """Take down runs whose owning process (a test session) is gone; remove downed runs' dirs."""
+    out = []
+    for cp in runs():
+        if cp.state.get("downed_at"):
+            shutil.rmtree(cp.dir, ignore_errors=True)
+            continue
+        if not _owner_alive(cp):
+            out += [f"stale run {cp.id}: {line}" for line in cp.down()]
+            shutil.rmtree(cp.dir, ignore_errors=True)
+    return out
+
+
+def current(run: str | None) -> ControlPlane:
+    root = state_root()
+    if run:
+        path = Path(run) if "/" in run else root / run
+    else:
+        env = os.environ.get("EP_CONTROLPLANE_RUN")
+        path = Path(env) if env else root / "current"
+    if not (path / "state.json").is_file():
+        raise CPError(f"no control-plane run at {path} (run `scripts/controlplane up` first)")
+    return ControlPlane(path.resolve())
+
+
+def describe(cp: ControlPlane) -> str:
+    lines = [f"run {cp.id}: {cp.dir}",
+             f"versions: kube-apiserver {cp.state['versions']['kubernetes']}, "
+             f"etcd {cp.state['versions']['etcd']} ({cp.state['bin']})",
+             f"subnet {cp.state['subnet']} on bridge {cp.state['bridge']}",
+             f"etcd  http://{cp.ip('etcd')}:{ETCD_PORT}  pid {cp.pid('etcd')}"]
+    for api in APISERVERS:
+        lines.append(f"{api}  https://{cp.endpoint(api)}  pid {cp.pid(api)}  "
+                     f"netns {cp.state['netns'][api]}")
+    lines += [f"CA: {cp.ca}  (serving certificate names: {SERVER_NAME}, the IPs)",
+              f"admin token: {cp.token_file('admin')}",
+              f"kubeconfig: {cp.dir}/admin.kubeconfig",
+              f"kubectl: {cp.binary('kubectl')} --kubeconfig {cp.dir}/admin.kubeconfig get --raw /readyz",
+              f"export EP_CONTROLPLANE_RUN={cp.dir}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/controlplane", description=__doc__.split("\n")[0])
+    p.add_argument("--run", help="run id or directory (default: $EP_CONTROLPLANE_RUN, "
+                   "then the latest `up`)")
+    sub = p.add_subparsers(dest="verb", required=True)
+    sub.add_parser("build", help="build and cache etcd, kube-apiserver and kubectl")
+    sub.add_parser("check", help="say what this machine lacks (exit 1 if anything)")
+    up = sub.add_parser("up", help="start etcd and three apiservers; wait until all are ready")
+    up.add_argument("--owner-pid", type=int, default=None,
+                    help="`down --stale` takes this run down once that process is gone")
+    sub.add_parser("status", help="addresses, pids, readiness")
+    down = sub.add_parser("down", help="remove the run's processes, namespaces and links")
+    down.add_argument("--stale", action="store_true",
+                      help="instead: every run whose --owner-pid is gone")
+    for verb, helptext in (("kill", "SIGKILL"), ("stop", "SIGSTOP"), ("cont", "SIGCONT"),
+                           ("term", "graceful SIGTERM"), ("partition-etcd", "cut from etcd"),
+                           ("heal", "undo partition-etcd")):
+        sp = sub.add_parser(verb, help=f"{helptext} one apiserver")
+        sp.add_argument("api", choices=APISERVERS)
+    sp = sub.add_parser("start", help="start a stopped apiserver (extra flags after --)")
+    sp.add_argument("api", choices=APISERVERS)
+    sp.add_argument("--wait", action="store_true", help="wait until it is ready")
+    sp.add_argument("extra", nargs="*", help="extra kube-apiserver flags for this start")
+    sub.add_parser("etcd-down", help="kill etcd")
+    sub.add_parser("etcd-up", help="start etcd again (same data)")
+    sub.add_parser("compact", help="compact etcd at its current revision")
+    args = p.parse_args(argv)
+    try:
+        if args.verb == "build":
+            t0 = time.monotonic()
+            print(cpbuild.build())
+            _log(f"binaries ready in {time.monotonic() - t0:.0f}s")
+            return 0
+        if args.verb == "check":
+            why = missing_prerequisites()
+            print(why or "ok")
+            return 1 if why else 0
+        if args.verb == "up":
+            why = missing_prerequisites()
+            if why:
+                raise CPError(why)
+            cpbuild.build()
+            cp = ControlPlane.create(owner_pid=args.owner_pid)
+            try:
+                took = cp.up()
+            except BaseException:
+                _log(f"up failed; taking run {cp.id} down (logs kept in {cp.dir})")
+                cp.down()
+                raise
+            print(describe(cp))
+            _log(f"up in {took:.1f}s")
+            return 0
+        if args.verb == "down" and args.stale:
+            for line in down_stale():
+                print(line)
+            return 0
+        cp = current(args.run)
+        if args.verb == "status":
+            print(describe(cp))
+            for api in APISERVERS:
+                print(f"{api} /readyz: {cp.readyz(api)}")
+            print(f"slice: {sorted(cp.slice_addresses() or [])}")
+        elif args.verb == "down":
+            for line in cp.down():
+                print(line)
+        elif args.verb in ("kill", "stop", "cont", "term"):
+            getattr(cp, args.verb)(args.api)
+        elif args.verb == "start":
+            cp.start(args.api, args.extra)
+            if args.wait:
+                cp.wait_ready([args.api])
+        elif args.verb == "partition-etcd":
+            cp.partition_etcd(args.api)
+        elif args.verb == "heal":
+            cp.heal(args.api)
+        elif args.verb == "etcd-down":
+            cp.etcd_down()
+        elif args.verb == "etcd-up":
+            cp.etcd_up()
+        elif args.verb == "compact":
+            print(cp.compact())
+        return 0
+    except CPError as exc:
+        print(f"controlplane: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

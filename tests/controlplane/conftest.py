@@ -1,0 +1,263 @@
+"""Fixtures over a real control plane: etcd and three kube-apiservers (scripts/controlplane).
+
+* ``control_plane`` (session): one run for the whole session, brought up on first use and
+  taken down at the end, also when the session fails. Runs left by a crashed session
+  (their owner process is gone) are taken down first.
+* ``cluster`` (function): the session's run, restored to the baseline before each test
+  (every apiserver and etcd running, no partition, every apiserver ready and in the
+  ``kubernetes`` EndpointSlice) so each test starts from the same place.
+* ``extractedprism`` (function): a factory starting the product as a subprocess with
+  real flags, listening on 127.0.0.1 (free ports), discovering through its own listener
+  with a kubeconfig that verifies the API server as kubernetes.default.svc; stopped with
+  SIGTERM at the end of the test.
+* ``namespace`` (function): a namespace made for the test and deleted after it.
+
+The whole directory is skipped, with one line saying what is missing, where the machine
+cannot run a control plane (not root, no ``ip netns``, no openssl, binaries not built and
+no Go to build them). ``scripts/test`` builds the binaries first (cached).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.controlplane import harness
+from tests.util import PYTHON, ROOT, start_on_free_ports, wait_until
+
+_spec = importlib.util.spec_from_file_location("controlplane", ROOT / "scripts" / "controlplane.py")
+assert _spec is not None and _spec.loader is not None
+cpmod = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("controlplane", cpmod)
+_spec.loader.exec_module(cpmod)
+
+# The proxy's timing flags; every bound in the tests is computed from these.
+INTERVAL = 2.0  # --health-interval
+TIMEOUT = 1.0  # --health-timeout (also the proxy's dial timeout)
+# Added once to every time bound, for the sampler's period, process start-up and a
+# machine shared by several workers; printed with every figure.
+SLACK = 1.5
+
+FIGURES: dict[str, dict[str, Any]] = {}
+
+
+def record(test: str, **figures: Any) -> None:
+    """Figures of a scenario, printed at the end of the session and written to a file."""
+    FIGURES.setdefault(test, {}).update(figures)
+
+
+def why_not() -> str | None:
+    why = cpmod.missing_prerequisites()
+    if why:
+        return why
+    missing = cpmod.cpbuild.missing()
+    if missing and os.environ.get("EP_CONTROLPLANE_BUILD", "") != "1":
+        return (f"control-plane binaries not built ({', '.join(missing)}): run "
+                "`scripts/controlplane build` (scripts/test does), or set EP_CONTROLPLANE_BUILD=1")
+    return None
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[Any]:
+    for line in cpmod.down_stale():
+        print(line)
+    cpmod.cpbuild.build()
+    cp = cpmod.ControlPlane.create(owner_pid=os.getpid())
+    try:
+        t0 = time.monotonic()
+        cp.up()
+        record("control plane", up_seconds=round(time.monotonic() - t0, 1),
+               kubernetes=cpmod.cpbuild.KUBERNETES_VERSION, etcd=cpmod.cpbuild.ETCD_VERSION)
+        yield cp
+    finally:
+        cp.down()
+
+
+@pytest.fixture
+def cluster(control_plane: Any) -> Any:
+    cp = control_plane
+    for api in cpmod.APISERVERS:
+        cp.heal(api)
+    if not cp.running("etcd"):
+        cp.etcd_up()
+    for api in cpmod.APISERVERS:
+        if cp.pid(api) is not None:
+            cp.cont(api)
+    for api in cpmod.APISERVERS:
+        if cp.running(api) and cp.extra_args(api):  # a test's special flags: back to defaults
+            cp.term(api)
+            cp.wait_exit(api, 90)
+        if not cp.running(api):
+            cp.start(api)
+    cp.wait_ready(timeout=90)
+    return cp
+
+
+@pytest.fixture
+def namespace(cluster: Any) -> Iterator[str]:
+    name = f"ep-{secrets.token_hex(3)}"
+    status, body = cluster.request("api1", "/api/v1/namespaces", method="POST",
+                                   body={"apiVersion": "v1", "kind": "Namespace",
+                                         "metadata": {"name": name}})
+    assert status == 201, (status, body)
+    yield name
+    for api in cpmod.APISERVERS:
+        try:
+            if cluster.request(api, f"/api/v1/namespaces/{name}", method="DELETE",
+                               timeout=5)[0] in (200, 202, 404):
+                break
+        except OSError:
+            continue
+
+
+@dataclass
+class Proxy:
+    """One extractedprism process under test."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    health_port: int
+    args: list[str]
+    log_path: Path
+    kubeconfig: Path  # admin, through this proxy (for test clients)
+    cp: Any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def upstreams(self) -> dict[str, dict[str, Any]]:
+        return harness.upstreams(self.health_port)
+
+    def metrics(self) -> str:
+        opener = harness.urllib.request.build_opener(harness.urllib.request.ProxyHandler({}))
+        with opener.open(f"http://127.0.0.1:{self.health_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in self.metrics().splitlines():
+            if line.startswith("#"):
+                continue
+            key, _, value = line.rpartition(" ")
+            if key == name or key == f"{name}{{{want}}}":
+                return float(value)
+        return None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, fresh: bool = False) -> Any:
+        return harness.api_client(self.port, self.cp.ca, self.cp.token("admin"),
+                                  fresh_connections=fresh)
+
+    def watcher(self, namespace: str, name: str) -> harness.Watcher:
+        return harness.Watcher(self.cp.binary("kubectl"), str(self.kubeconfig), namespace, name)
+
+
+def _stop_proxy(proxy: Proxy) -> None:
+    proc = proxy.proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def extractedprism(cluster: Any, tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
+    started: list[Proxy] = []
+
+    def start(*, endpoints: list[str] | None = None, drain: str = "30s", discovery: bool = True,
+              readyz: bool = True, extra: list[str] | None = None,
+              name: str = "ep") -> Proxy:
+        cp = cluster
+        eps = endpoints if endpoints is not None else cp.endpoints
+        log_path = tmp_path / f"{name}.log"
+        kc_self = tmp_path / f"{name}-discovery.kubeconfig"
+        kc_admin = tmp_path / f"{name}-admin.kubeconfig"
+        holder: dict[str, Any] = {}
+
+        def spawn(ports: list[int]) -> subprocess.Popen[bytes]:
+            bind, health = ports
+            # Discovery goes through the proxy's own listener, verified as
+            # kubernetes.default.svc, with the RBAC the chart grants (list/watch slices).
+            cp.proxy_kubeconfig(bind, kc_self, who="extractedprism")
+            cp.proxy_kubeconfig(bind, kc_admin, who="admin")
+            args = ["--bind-address=127.0.0.1", f"--bind-port={bind}",
+                    f"--health-port={health}", f"--endpoints={','.join(eps)}",
+                    f"--health-interval={INTERVAL:g}s", f"--health-timeout={TIMEOUT:g}s",
+                    f"--drain-timeout={drain}", f"--enable-discovery={str(discovery).lower()}",
+                    "--log-level=info"]
+            if discovery:
+                args.append(f"--kubeconfig={kc_self}")
+            if readyz:
+                args += ["--health-check=readyz", f"--health-check-ca-file={cp.ca}"]
+            args += extra or []
+            holder["args"] = args
+            logf = open(log_path, "ab")  # noqa: SIM115 - the child owns it from here
+            try:
+                env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
+                return subprocess.Popen([PYTHON, "-m", "extractedprism", *args], stdout=logf,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=env, cwd=ROOT)
+            finally:
+                logf.close()
+
+        def ready(ports: list[int]) -> bool:
+            return harness.http_status(f"http://127.0.0.1:{ports[1]}/healthz") == 200
+
+        proc, (bind, health) = start_on_free_ports(spawn, ready, timeout=30)
+        if proc.poll() is not None:
+            raise AssertionError(f"extractedprism exited {proc.returncode}:\n"
+                                 f"{log_path.read_text(errors='replace')[-3000:]}")
+        proxy = Proxy(proc, bind, health, holder["args"], log_path, kc_admin, cp)
+        started.append(proxy)
+        return proxy
+
+    yield start
+    for proxy in started:
+        _stop_proxy(proxy)
+        if proxy.proc.returncode not in (0, None):
+            print(f"extractedprism exited {proxy.proc.returncode}; log tail:\n"
+                  f"{proxy.log()[-2000:]}")
+
+
+def wait_all_ready(proxy: Proxy, addresses: list[str], timeout: float) -> float:
+    """Seconds until every address is in /upstreams, healthy and ready."""
+    t0 = time.monotonic()
+
+    def ok() -> bool:
+        ups = proxy.upstreams()
+        return all(a in ups and ups[a]["healthy"] and not ups[a]["draining"]
+                   and ups[a]["readiness"] in ("ready", "n/a") for a in addresses)
+
+    wait_until(ok, timeout, interval=0.1, message=f"{addresses} healthy and ready in /upstreams")
+    return time.monotonic() - t0
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not FIGURES:
+        return
+    tr = terminalreporter
+    tr.section("control-plane figures (scripts/controlplane; bounds derived from flags)")
+    for test, figs in FIGURES.items():
+        tr.write_line(f"{test}: " + ", ".join(f"{k}={v}" for k, v in figs.items()))
+    out = os.environ.get("EP_CONTROLPLANE_REPORT") or str(cpmod.state_root() / "last-report.json")
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(FIGURES, indent=1) + "\n")
+        tr.write_line(f"(written to {out})")
+    except OSError as exc:
+        tr.write_line(f"(could not write {out}: {exc})")

@@ -1,0 +1,419 @@
+"""Clients and observers for the real-control-plane tests.
+
+Everything here talks to the cluster through the proxy under test, as a node's clients
+would, with TLS verified as ``kubernetes.default.svc`` against the run's CA:
+
+* :class:`Load`: threads of the Python ``kubernetes`` client doing GETs (some on
+  keep-alive connections, some on a fresh connection per request), counting failures
+  (an exception that reaches the caller after the client's own retries) and latency.
+* :class:`Writer`: one thread patching a ConfigMap ``tick`` (``data.seq``) at a fixed
+  period, so that watches have events to carry.
+* :class:`Watcher`: one long-lived ``kubectl`` watch (client-go over HTTP/2) of the
+  test namespace's ConfigMaps; when its stream ends it is started again from the last
+  resourceVersion it saw, as an informer would. It records every event and every end.
+* :class:`Sampler`: polls the proxy's ``/upstreams`` (and ``/readyz``), and optionally
+  each apiserver's own ``/readyz``, every ``POLL`` seconds into a timeline the tests
+  read their figures from.
+
+Threads are named ``cp-*`` and take named methods; every loop is bounded by a stop
+event, a deadline and a count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import urllib3
+from kubernetes import client as k8s
+
+SERVER_NAME = "kubernetes.default.svc"
+POLL = 0.1  # sampler period
+MAX_RUN_S = 600.0  # hard cap on any background loop, on top of its stop event
+CLIENT_CONNECT_TIMEOUT = 5.0
+CLIENT_READ_TIMEOUT = 10.0
+
+
+def mono() -> float:
+    return time.monotonic()
+
+
+class ClientGoRetry(urllib3.Retry):
+    """Retries the way client-go does: a GET whose connection broke (urllib3's default:
+    idempotent methods on connect and read errors), and *any* verb answered 429 or 503
+    with ``Retry-After``, which the apiserver sends when it refused the request without
+    processing it ("apiserver is shutting down" on a connection that was open when it
+    got SIGTERM). client-go's rest.Request retries those up to 10 times; the Python
+    client retries nothing by status on its own."""
+
+    retried_after: int = 0  # across all clients: answers retried after Retry-After
+    _count_lock = threading.Lock()
+
+    def is_retry(self, method: str, status_code: int, has_retry_after: bool = False) -> bool:
+        if self.total and has_retry_after and status_code in (429, 503):
+            with ClientGoRetry._count_lock:
+                ClientGoRetry.retried_after += 1
+            return True
+        return False
+
+
+def client_go_retries() -> ClientGoRetry:
+    return ClientGoRetry(total=10, connect=3, read=3, redirect=0, status=10,
+                         respect_retry_after_header=True)
+
+
+def api_client(port: int, ca: str, token: str, *, fresh_connections: bool = False,
+               host: str = "127.0.0.1") -> k8s.ApiClient:
+    """A Python kubernetes client that reaches the cluster through the proxy on ``port``."""
+    cfg = k8s.Configuration(host=f"https://{host}:{port}")
+    cfg.ssl_ca_cert = ca
+    cfg.verify_ssl = True
+    cfg.tls_server_name = SERVER_NAME
+    cfg.proxy = None
+    cfg.retries = client_go_retries()
+    cfg.api_key["BearerToken"] = token
+    cfg.api_key_prefix["BearerToken"] = "Bearer"
+    api = k8s.ApiClient(cfg)
+    if fresh_connections:
+        # The server closes after each answer: every request is a new TCP+TLS connection
+        # through the proxy, i.e. a new pick.
+        api.set_default_header("Connection", "close")
+    return api
+
+
+# --- load -----------------------------------------------------------------------
+
+
+@dataclass
+class LoadStats:
+    ok: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+    # (start, duration) of each request, fresh-connection threads only
+    fresh_latencies: list[tuple[float, float]] = field(default_factory=list)
+
+
+class Load:
+    """``threads`` client threads doing GETs through the proxy until stopped."""
+
+    def __init__(self, port: int, ca: str, token: str, *, keepalive: int = 2, fresh: int = 2,
+                 period: float = 0.05, max_requests: int = 20_000,
+                 read_timeout: float = CLIENT_READ_TIMEOUT) -> None:
+        self.port, self.ca, self.token = port, ca, token
+        self.period = period
+        self.max_requests = max_requests
+        self.read_timeout = read_timeout
+        self.stats = LoadStats()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(False,), daemon=True,
+                                          name=f"cp-load-keepalive-{i}")
+                         for i in range(keepalive)]
+        self._threads += [threading.Thread(target=self._run, args=(True,), daemon=True,
+                                           name=f"cp-load-fresh-{i}") for i in range(fresh)]
+
+    def start(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _run(self, fresh: bool) -> None:
+        api = api_client(self.port, self.ca, self.token, fresh_connections=fresh)
+        core = k8s.CoreV1Api(api)
+        deadline = mono() + MAX_RUN_S
+        try:
+            for _ in range(self.max_requests):
+                if self._stop.is_set() or mono() > deadline:
+                    break
+                t0 = mono()
+                try:
+                    core.read_namespace("default", _request_timeout=(CLIENT_CONNECT_TIMEOUT,
+                                                                     self.read_timeout))
+                    ok, err = True, ""
+                except Exception as exc:  # any failure the caller would see
+                    ok, err = False, f"{time.strftime('%H:%M:%S')} {type(exc).__name__}: {exc}"
+                dt = mono() - t0
+                with self._lock:
+                    if ok:
+                        self.stats.ok += 1
+                    else:
+                        self.stats.failed += 1
+                        if len(self.stats.errors) < 20:
+                            self.stats.errors.append(err[:300])
+                    if fresh:
+                        self.stats.fresh_latencies.append((t0, dt))
+                self._stop.wait(self.period)
+        finally:
+            api.close()
+
+    def stop(self) -> LoadStats:
+        self._stop.set()
+        for t in self._threads:
+            t.join(CLIENT_CONNECT_TIMEOUT + 3 * self.read_timeout + 5)
+        return self.stats
+
+
+# --- writer ---------------------------------------------------------------------
+
+
+class Writer:
+    """Patches ConfigMap ``tick`` in ``namespace`` every ``period`` seconds."""
+
+    def __init__(self, port: int, ca: str, token: str, namespace: str, period: float = 0.25,
+                 max_writes: int = 5000) -> None:
+        self.namespace = namespace
+        self.period = period
+        self.max_writes = max_writes
+        self.api = api_client(port, ca, token)
+        self.core = k8s.CoreV1Api(self.api)
+        self.seq = 0
+        self.ok = 0
+        self.failed = 0
+        self.errors: list[str] = []
+        self.written: list[tuple[float, int, str]] = []  # (time, seq, resourceVersion)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cp-writer", daemon=True)
+
+    def create(self) -> None:
+        self.core.create_namespaced_config_map(
+            self.namespace, k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="tick"),
+                                            data={"seq": "0"}))
+
+    def start(self) -> Writer:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        deadline = mono() + MAX_RUN_S
+        for _ in range(self.max_writes):
+            if self._stop.wait(self.period) or mono() > deadline:
+                break
+            self.seq += 1
+            try:
+                cm = self.core.patch_namespaced_config_map(
+                    "tick", self.namespace, {"data": {"seq": str(self.seq)}},
+                    _request_timeout=(CLIENT_CONNECT_TIMEOUT, CLIENT_READ_TIMEOUT))
+                self.ok += 1
+                self.written.append((mono(), self.seq, cm.metadata.resource_version))
+            except Exception as exc:
+                self.failed += 1
+                if len(self.errors) < 20:
+                    self.errors.append(f"{time.strftime('%H:%M:%S')} seq={self.seq} "
+                                       f"{type(exc).__name__}: {getattr(exc, 'body', None) or str(exc)[:300]}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(CLIENT_CONNECT_TIMEOUT + 3 * CLIENT_READ_TIMEOUT + 5)
+        self.api.close()
+
+
+# --- kubectl watches ------------------------------------------------------------
+
+
+@dataclass
+class StreamEnd:
+    at: float
+    returncode: int | None
+    stderr: str
+    last_event_at: float | None
+
+
+class Watcher:
+    """One long-lived kubectl watch, started again from its last resourceVersion on end.
+
+    ``kubectl get --raw '/api/v1/namespaces/NS/configmaps?watch=1&resourceVersion=RV'``:
+    kubectl's own client-go REST client over HTTP/2, one request on one connection, and
+    its output is the server's event stream line by line, so each event is timed as it
+    arrives. (``kubectl get --watch`` cannot resume from a resourceVersion; an informer
+    can, and this loop does what an informer does.)
+    """
+
+    def __init__(self, kubectl: str, kubeconfig: str, namespace: str, name: str,
+                 max_streams: int = 100) -> None:
+        self.kubectl, self.kubeconfig, self.namespace = kubectl, kubeconfig, namespace
+        self.name = name
+        self.max_streams = max_streams
+        self.events: list[tuple[float, str, str, int | None]] = []  # (t, type, rv, seq)
+        self.ends: list[StreamEnd] = []
+        self.gone = 0  # 410s met (then the loop re-watches from "now")
+        self.streams = 0
+        self.rv = ""
+        self.first_event = threading.Event()
+        self._stop = threading.Event()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"cp-watch-{name}", daemon=True)
+
+    def start(self) -> Watcher:
+        self._thread.start()
+        return self
+
+    def _command(self) -> list[str]:
+        q = "watch=1&timeoutSeconds=900"
+        if self.rv:
+            q += f"&resourceVersion={self.rv}"
+        return [self.kubectl, "--kubeconfig", self.kubeconfig, "--request-timeout=0",
+                "get", "--raw", f"/api/v1/namespaces/{self.namespace}/configmaps?{q}"]
+
+    def _run(self) -> None:
+        deadline = mono() + MAX_RUN_S
+        env = {**os.environ, "HOME": str(Path(self.kubeconfig).parent)}
+        while not self._stop.is_set() and mono() < deadline and self.streams < self.max_streams:
+            self.streams += 1
+            with self._lock:
+                if self._stop.is_set():
+                    break
+                self._proc = subprocess.Popen(self._command(), stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                              env=env)
+            proc = self._proc
+            assert proc.stdout is not None and proc.stderr is not None
+            last = None
+            try:
+                for line in proc.stdout:
+                    now = mono()
+                    try:
+                        ev = json.loads(line)
+                    except ValueError:
+                        continue
+                    obj = ev.get("object") or {}
+                    if ev.get("type") == "ERROR":
+                        if obj.get("code") == 410:
+                            self.gone += 1
+                            self.rv = ""
+                        continue
+                    rv = (obj.get("metadata") or {}).get("resourceVersion", "")
+                    seq_s = (obj.get("data") or {}).get("seq")
+                    seq = int(seq_s) if seq_s and seq_s.isdigit() else None
+                    self.events.append((now, ev.get("type", ""), rv, seq))
+                    last = now
+                    if rv:
+                        self.rv = rv
+                    self.first_event.set()
+                rc = proc.wait()
+                err = proc.stderr.read().decode(errors="replace")[-300:]
+            finally:
+                proc.stdout.close()
+                proc.stderr.close()
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            if not self._stop.is_set():
+                self.ends.append(StreamEnd(mono(), rc, err.strip(), last))
+                self._stop.wait(0.05)  # a tight loop if kubectl fails at once
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.send_signal(signal.SIGTERM)
+        self._thread.join(15)
+
+    def seqs(self) -> set[int]:
+        return {s for _, _, _, s in self.events if s is not None}
+
+    def max_gap(self, t0: float, t1: float) -> float:
+        """Longest time without an event inside [t0, t1]."""
+        times = [t0] + [t for t, *_ in self.events if t0 <= t <= t1] + [t1]
+        return max(b - a for a, b in zip(times, times[1:], strict=False))
+
+
+# --- proxy observation ---------------------------------------------------------------
+
+
+def http_json(url: str, timeout: float = 2.0) -> Any:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            resp.read()
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        exc.close()
+        return int(exc.code)
+    except OSError:
+        return None
+
+
+@dataclass
+class Sample:
+    t: float
+    ups: dict[str, dict[str, Any]]  # address -> /upstreams entry
+    readyz: int | None  # the proxy's own /readyz
+    direct: dict[str, Any]  # whatever the test's ``direct`` callable observed
+
+
+class Sampler:
+    """Timeline of the proxy's /upstreams, its /readyz and optionally apiservers' /readyz."""
+
+    def __init__(self, health_port: int, direct: Callable[[], dict[str, Any]] | None = None,
+                 period: float = POLL) -> None:
+        self.base = f"http://127.0.0.1:{health_port}"
+        self.direct = direct
+        self.period = period
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cp-sampler", daemon=True)
+
+    def start(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        deadline = mono() + MAX_RUN_S
+        while not self._stop.is_set() and mono() < deadline:
+            t = mono()
+            try:
+                ups = {u["address"]: u for u in http_json(f"{self.base}/upstreams")["upstreams"]}
+            except (OSError, ValueError, KeyError):
+                ups = {}
+            rz = http_status(f"{self.base}/readyz")
+            direct = self.direct() if self.direct else {}
+            self.samples.append(Sample(t, ups, rz, direct))
+            self._stop.wait(self.period)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def window(self, t0: float, t1: float | None = None) -> Iterator[Sample]:
+        for s in list(self.samples):
+            if s.t >= t0 and (t1 is None or s.t <= t1):
+                yield s
+
+    def first(self, pred: Callable[[Sample], bool], after: float) -> Sample | None:
+        return next((s for s in self.window(after) if pred(s)), None)
+
+    def wait_for(self, pred: Callable[[Sample], bool], after: float, timeout: float,
+                 what: str) -> Sample:
+        deadline = mono() + timeout
+        while mono() < deadline:
+            s = self.first(pred, after)
+            if s is not None:
+                return s
+            time.sleep(self.period / 2)
+        last = self.samples[-1] if self.samples else None
+        raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}; "
+                             f"last /upstreams: {json.dumps(last.ups if last else None)[:1500]}")
+
+
+def upstreams(health_port: int) -> dict[str, dict[str, Any]]:
+    return {u["address"]: u for u in
+            http_json(f"http://127.0.0.1:{health_port}/upstreams")["upstreams"]}
