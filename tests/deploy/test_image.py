@@ -272,6 +272,17 @@ def test_entrypoint_serves_proxies_and_stops_cleanly_on_a_read_only_root(working
                     if proc.poll() == 1:
                         proc.communicate(timeout=30)
                         continue
+                    wait_until(lambda p=proc, hp=health_port: p.poll() is not None
+                               or _get(hp, "/readyz") == 200, timeout=60,
+                               message="/readyz 200: the readyz check passes with the SA CA")
+                    # What NOTES.txt tells operators to run with `kubectl exec`: a second
+                    # process in the same container, with the pod's environment.
+                    for tool in (["status"], ["admin", "list"]):
+                        out = subprocess.run([*args, ctr, "/opt/venv/bin/extractedprism",
+                                              *tool], capture_output=True, text=True,
+                                             timeout=60)
+                        assert out.returncode == 0, (tool, out.stdout, out.stderr)
+                        assert upstream.address in out.stdout, (tool, out.stdout)
                     _run_checks(proc, bind_port, health_port, sa / "ca.crt", handover,
                                 parse_duration(chart_env["EP_SHUTDOWN_DRAIN_TIMEOUT"]))
                 finally:
