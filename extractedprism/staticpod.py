@@ -59,13 +59,17 @@ READINESS_TIMING = {"initialDelaySeconds": 2, "periodSeconds": 5, "timeoutSecond
 SHUTDOWN_BUDGET = 10
 GRACE_MARGIN = 5
 
-# Hands the writable host directories (created root-owned by the kubelet) to uid 65534;
-# the same script as the chart's init container.
+# Hands the writable host directories (created root-owned by the kubelet) to uid 65534,
+# once: a later start finds them handed over already, and changing their mode then would
+# need CAP_FOWNER. The same script as the chart's init container.
 _CHOWN_SCRIPT = (
     "import os, sys\n"
+    "uid, gid = int(sys.argv[1]), int(sys.argv[2])\n"
     "for d in sys.argv[3:]:\n"
-    "    os.chmod(d, 0o700)\n"
-    "    os.chown(d, int(sys.argv[1]), int(sys.argv[2]))\n"
+    "    st = os.stat(d)\n"
+    "    if (st.st_uid, st.st_gid) != (uid, gid):\n"
+    "        os.chmod(d, 0o700)\n"
+    "        os.chown(d, uid, gid)\n"
 )
 
 

@@ -209,6 +209,9 @@ def _read_only(rootfs: Path) -> Iterator[None]:
     (The root directory and /run stay writable for root only: buildah puts its mount points
     there; uid 65534 cannot write either.)"""
     done: list[Path] = []
+    # The files buildah bind-mounts over, as a container runtime provides them.
+    for name in ("hostname", "hosts", "resolv.conf"):
+        (rootfs / "etc" / name).touch()
     try:
         for name in ("opt", "usr", "etc", "tmp"):
             target = rootfs / name
@@ -323,3 +326,42 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.communicate(timeout=30)
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT + 180)
+def test_the_charts_init_container_hands_the_host_dirs_over_with_only_chown(working, tmp_path
+                                                                           ) -> None:
+    b, ctr, rootfs = working
+    docs, _ = render({"endpoints": ["127.0.0.1:6443"]})
+    pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    mounts = [m["mountPath"] for m in init["volumeMounts"]]
+    volumes = []
+    for i, path in enumerate(mounts):
+        host = tmp_path / f"host-dir-{i}"
+        host.mkdir(mode=0o755)  # as the kubelet creates a DirectoryOrCreate hostPath
+        volumes += ["-v", f"{host}:{path}"]
+    # Every capability but CAP_CHOWN dropped, one by one: this buildah's `--cap-drop ALL`
+    # also drops what --cap-add adds.
+    others = ["CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
+              "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT",
+              "CAP_SETFCAP", "CAP_NET_RAW", "CAP_AUDIT_WRITE", "CAP_MKNOD"]
+    with _read_only(rootfs):
+        # The first pod on the node, then the surge pod of a rollout (directories handed over).
+        for _pod in ("first", "surge"):
+            proc = subprocess.run([*b.cmd, "run", "--isolation", "chroot", "--user", "0:0",
+                                   "--cap-drop", ",".join(others), *volumes, ctr,
+                                   "/opt/venv/bin/python", "-c",
+                                   "print(open('/proc/self/status').read()"
+                                   ".split('CapEff:')[1].split()[0])"],
+                                  capture_output=True, text=True, timeout=60)
+            assert proc.stdout.strip() == "0000000000000001", proc.stdout  # CAP_CHOWN alone
+            proc = subprocess.run([*b.cmd, "run", "--isolation", "chroot", "--user", "0:0",
+                                   "--cap-drop", ",".join(others), *volumes, ctr,
+                                   *init["command"]], capture_output=True, text=True,
+                                  timeout=60)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            for i in range(len(mounts)):
+                st = (tmp_path / f"host-dir-{i}").stat()
+                assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (65534, 65534, 0o700)
