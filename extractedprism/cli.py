@@ -41,6 +41,7 @@ log = logging.getLogger("extractedprism")
 SUBCOMMANDS: dict[str, str] = {
     "status": "extractedprism.status:main",
     "admin": "extractedprism.admin:main",
+    "static-pod": "extractedprism.staticpod:main",
 }
 
 def flag_help(flag: Flag) -> str:
