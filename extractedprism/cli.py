@@ -40,6 +40,7 @@ log = logging.getLogger("extractedprism")
 # status. Each subcommand's code lives in its own module, imported only when run.
 SUBCOMMANDS: dict[str, str] = {
     "status": "extractedprism.status:main",
+    "admin": "extractedprism.admin:main",
 }
 
 def flag_help(flag: Flag) -> str:

@@ -55,6 +55,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "max-connections": 1000000,
     "pipe-sched": "normal",
     "log-format": "json",
+    "admin-socket": "/run/extractedprism/admin.sock",
 }
 
 

@@ -122,6 +122,7 @@ kubeconfig: kubeconfig
 max-connections: maxConnections
 pipe-sched: pipeSched
 log-format: logFormat
+admin-socket: adminSocket
 {{- end -}}
 
 {{/* Integer-valued keys: printed as whole numbers even when values arrive as floats (JSON). */}}
