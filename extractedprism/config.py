@@ -37,6 +37,7 @@ from extractedprism.flags import (
     parse_duration,
     show_value,
 )
+from extractedprism.selection import MODES as SELECTION_MODES  # selection owns its modes
 
 __all__ = [
     "AT_LEAST_1",
@@ -67,7 +68,6 @@ __all__ = [
 
 LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
 LOG_FORMATS = ("logfmt", "json")
-SELECTION_MODES = ("random", "latency", "least-conn")
 HEALTH_CHECKS = ("tcp", "readyz")
 PIPE_SCHED_POLICIES = ("batch", "normal")
 RELAYS = ("auto", "native", "python")
@@ -243,6 +243,14 @@ FLAGS: tuple[Flag, ...] = (
         "object per line)",
         LOG_FORMATS,
     ),
+    Flag(
+        "admin-socket",
+        "path",
+        "",
+        "Unix socket for runtime control (`extractedprism admin`: drain, undrain, close, "
+        "list), created with mode 0600 so only this user and root can use it; never a TCP "
+        "port (empty: off)",
+    ),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
@@ -338,6 +346,7 @@ class Config:
     state_file: str = ""
     static_endpoints: str = "always"
     log_format: str = "logfmt"
+    admin_socket: str = ""
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""

@@ -31,8 +31,8 @@ import threading
 import time
 
 from extractedprism import connlog
-from extractedprism.endpoints import Endpoint
-from extractedprism.registry import Registry, Reservation
+from extractedprism.registry import Registry
+from extractedprism.reservation import Reservation
 from extractedprism.sockopts import addresses, begin_connect, describe_error, dial
 
 log = logging.getLogger(__name__)
@@ -47,11 +47,12 @@ REAPER_IDLE_S = 2.0  # the reaper thread exits after this long with no losing di
 class _Dial:
     """One dial in flight: its reservation, its socket, the addresses still to try."""
 
-    __slots__ = ("addrs", "deadline", "res", "sock")
+    __slots__ = ("addrs", "deadline", "res", "sock", "timeout")
 
-    def __init__(self, res: Reservation, deadline: float) -> None:
+    def __init__(self, res: Reservation, deadline: float, timeout: float) -> None:
         self.res = res
         self.deadline = deadline
+        self.timeout = timeout
         self.sock: socket.socket | None = None
         self.addrs: list[tuple[int, tuple]] = []  # type: ignore[type-arg]
 
@@ -59,6 +60,9 @@ class _Dial:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - (self.deadline - self.timeout)
 
 
 class Dialer:
@@ -80,12 +84,14 @@ class Dialer:
     # -- outcomes (the one place a dial's result is recorded) --------------------------
 
     def record(self, addr: str, exc: OSError | None, *, panic: bool = False,
-               carries: bool = False) -> None:
-        """``carries``: the dial that carries the connection; its success is recorded by
-        Registry.attach, in the same lock round trip."""
+               carries: Reservation | None = None, duration: float | None = None) -> None:
+        """``carries``: the reservation of the dial that carries the connection; its
+        success is recorded by Registry.attach, in the same lock round trip."""
         if exc is None:
-            if not carries:
-                self._registry.record_dial(addr, True)
+            if carries is not None:
+                carries.dial_seconds = duration
+            else:
+                self._registry.record_dial(addr, True, duration=duration)
             return
         reason = describe_error(exc)
         if exc.errno in FD_ERRNOS:
@@ -95,7 +101,8 @@ class Dialer:
         # The spec counts no errors "when no upstream was available": panic-mode
         # attempts are exactly that case, and shutdown failures are not counted.
         self._registry.record_dial(addr, False, reason,
-                                   count_error=not (self._stopping.is_set() or panic))
+                                   count_error=not (self._stopping.is_set() or panic),
+                                   duration=duration)
         _dial_failed(addr, upstream=addr, reason=reason)
 
     def failed(self, addr: str, reason: str) -> None:
@@ -128,22 +135,22 @@ class Dialer:
             tried.add(res.address)
             sock = None
             try:
-                sock = self._dial_blocking(res.endpoint, self._timeout)
+                sock = self._dial_blocking(res, self._timeout)
             finally:
                 if sock is None:
                     res.release()
             if sock is not None:
                 return sock, res
 
-    def _dial_blocking(self, ep: Endpoint, timeout: float, *, panic: bool = False
+    def _dial_blocking(self, res: Reservation, timeout: float, *, panic: bool = False
                        ) -> socket.socket | None:
-        addr = str(ep)
+        started = time.monotonic()
         try:
-            sock = dial(ep, timeout, self._native)
+            sock = dial(res.endpoint, timeout, self._native)
         except OSError as exc:
-            self.record(addr, exc, panic=panic)
+            self.record(res.address, exc, panic=panic, duration=time.monotonic() - started)
             return None
-        self.record(addr, None, carries=True)
+        self.record(res.address, None, carries=res, duration=time.monotonic() - started)
         return sock
 
     def _connect_hedged(self, tried: set[str], dials: list[_Dial]
@@ -160,7 +167,7 @@ class Dialer:
                     hedge_at = None  # nothing to hedge to: wait for the dial in flight
                     continue
                 tried.add(res.address)
-                d = _Dial(res, now + self._timeout)
+                d = _Dial(res, now + self._timeout, self._timeout)
                 won = self._begin(d, poller)
                 if won:
                     return self._won(d, dials, poller)
@@ -170,7 +177,7 @@ class Dialer:
                     res.release()  # failed at once (refused, say): counted in _begin
                 # A dial running alone past the delay gets a hedge (again, after a
                 # failure of the other one: still at most two in flight).
-                hedge_at = min(x.deadline - self._timeout for x in dials) + self._hedge \
+                hedge_at = dials[0].deadline - self._timeout + self._hedge \
                     if len(dials) == 1 else None
                 continue
             wake = min(d.deadline for d in dials)
@@ -202,7 +209,7 @@ class Dialer:
         try:
             d.addrs = addresses(d.res.endpoint)
         except OSError as exc:
-            self.record(d.res.address, exc)
+            self.record(d.res.address, exc, duration=d.elapsed())
             return False
         return self._next_address(d, poller, None)
 
@@ -226,7 +233,8 @@ class Dialer:
                 return False
             sock.close()
             last = OSError(err, os.strerror(err))
-        self.record(d.res.address, last or OSError(f"no address for {d.res.endpoint}"))
+        self.record(d.res.address, last or OSError(f"no address for {d.res.endpoint}"),
+                    duration=d.elapsed())
         return False
 
     def _failed_address(self, d: _Dial, poller: select.poll, exc: OSError) -> None:
@@ -243,12 +251,12 @@ class Dialer:
         assert d.sock is not None
         poller.unregister(d.sock.fileno())
         d.close()
-        self.record(d.res.address, exc)
+        self.record(d.res.address, exc, duration=d.elapsed())
 
     def _won(self, d: _Dial, losers: list[_Dial], poller: select.poll
              ) -> tuple[socket.socket, Reservation]:
         assert d.sock is not None
-        self.record(d.res.address, None, carries=True)
+        self.record(d.res.address, None, carries=d.res, duration=d.elapsed())
         for other in losers:
             assert other.sock is not None
             poller.unregister(other.sock.fileno())
@@ -269,7 +277,7 @@ class Dialer:
             tried.add(res.address)
             sock = None
             try:
-                sock = self._dial_blocking(ep, remaining, panic=True)
+                sock = self._dial_blocking(res, remaining, panic=True)
             finally:
                 if sock is None:
                     res.release()
@@ -386,6 +394,6 @@ class _Reaper:
         d.close()
         d.res.release()
         try:
-            self._dialer.record(d.res.address, exc)
+            self._dialer.record(d.res.address, exc, duration=d.elapsed())
         except Exception:  # recording must never end the reaper
             log.exception("recording a losing dial failed upstream=%s", d.res.address)

@@ -508,6 +508,8 @@ class Proxy:
             upstream, res = self._dialer.connect(tried)
             if upstream is None or res is None:
                 _no_upstream(client=client)
+                if not self._stopping.is_set():
+                    reg.record_no_upstream()  # connection_errors_total{upstream="none"}
                 client_sock.close()
                 return
             addr = res.address
@@ -535,6 +537,8 @@ class Proxy:
                     drain_retry = False
                     if reg.any_pickable(exclude=tried):
                         continue
+                if not reg.closing:  # its upstream drained away, and no other was left
+                    reg.record_no_upstream()
                 client_sock.close()
                 return
             me.name = f"pipe-{client}->{addr}"
