@@ -28,17 +28,26 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from extractedprism import handover, statefile
+from extractedprism import __version__, handover, statefile
+from extractedprism.admin import AdminServer
 from extractedprism.config import Config
+from extractedprism.discovery import DiscoveryStatus, DiscoveryView
+from extractedprism.document import ProcessInfo, upstreams_document
 from extractedprism.endpoints import Endpoint
 from extractedprism.errors import ListenError
 from extractedprism.heartbeat import Heartbeat
 from extractedprism.httpd import HealthServer
-from extractedprism.merge import Merger
+from extractedprism.merge import CACHE, KUBERNETES, STATIC, Merger
 from extractedprism.metrics import Metrics
+from extractedprism.opsmetrics import (
+    BuildInfoCollector,
+    DiscoveryCollector,
+    register_runtime_collectors,
+)
 from extractedprism.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
 from extractedprism.proxy import Proxy
 from extractedprism.registry import Change, Registry
+from extractedprism.shutdown_drain import spread_close
 from extractedprism.ticker import Ticker
 
 if TYPE_CHECKING:
@@ -48,7 +57,6 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 5.0
 HEARTBEAT_JOIN_S = 1.0
-CACHE = "cache"  # the provider name of the state file's endpoints
 
 
 class App:
@@ -72,6 +80,12 @@ class App:
             on_change=self._registry_changed,
         )
         self.metrics.attach_state(self.registry.snapshot)
+        # The data path in use, "native" or "python" (/upstreams, build_info); the one
+        # place --relay (issue 16) sets.
+        self.relay = "python"
+        self.started_wall = time.time()
+        self.discovery_status = DiscoveryStatus() if config.enable_discovery else None
+        self._attach_ops_metrics()
         readyz = None
         if config.health_check == "readyz":
             readyz = ReadyzSettings(
@@ -92,9 +106,12 @@ class App:
                            max_connections=config.max_connections,
                            pipe_sched=config.pipe_sched,
                            on_accept_loop=self.heartbeat.accept_turned)
-        self.merger = Merger(self.registry.set_endpoints, self.metrics)
+        self.merger = Merger(self.registry.set_endpoints, self.metrics,
+                             static_mode=config.static_endpoints,
+                             apply_roles=self.registry.set_roles)
         self.discovery: KubernetesProvider | None = None
         self.health: HealthServer | None = None  # made in start(), after the proxy binds
+        self.admin: AdminServer | None = None  # with --admin-socket, made in start()
         self._offer: handover.Offer | None = None
         self._state_writer: statefile.StateWriter | None = None
         self._cache_in_use = False
@@ -181,7 +198,8 @@ class App:
         try:
             self.health = HealthServer(self.registry, self.metrics, self.alive,
                                        host=cfg.health_bind_address, port=cfg.health_port,
-                                       liveness_reason=self.liveness_reason, listener=sock)
+                                       liveness_reason=self.liveness_reason, listener=sock,
+                                       document=self.upstreams_document)
         except OSError as exc:
             if "proxy" not in taken:  # a taken one is shared: never shut it down
                 self.proxy.close_listener()
@@ -216,6 +234,12 @@ class App:
     def _start_threads(self) -> None:
         cfg = self.config
         assert self.health is not None
+        if cfg.admin_socket:
+            # Before any thread runs, like the listeners: a bad path fails the start
+            # (exit 1, naming the flag) and the caller's stop() closes what is open.
+            admin = AdminServer(cfg.admin_socket, self.registry, self.admin_listing)
+            admin.bind()
+            self.admin = admin
         if cfg.health_check == "readyz":
             # Not fatal: the file is re-read on every probe and may be mounted later;
             # until then every probe fails and selection falls back to TCP health. But a
@@ -225,7 +249,7 @@ class App:
                 log.warning("readyz CA file unusable flag=--health-check-ca-file path=%s "
                             "reason=%r; every readyz probe fails until it is fixed",
                             cfg.health_check_ca_file, problem)
-        self.merger.update("static", list(cfg.endpoints))
+        self.merger.update(STATIC, list(cfg.endpoints))
         self._load_state_file()
         if cfg.enable_discovery:
             self._start_discovery()
@@ -233,6 +257,9 @@ class App:
         self.proxy.start()
         self.heartbeat.start()
         self.health.start()
+        if self.admin is not None:
+            self.admin.start()
+        self.started_wall = time.time()
         self._started = True
         host, port = self.proxy.address
         hhost, hport = self.health.address
@@ -249,12 +276,15 @@ class App:
         provider = "kubernetes"
         self.discovery = KubernetesProvider(
             self.config.replace(bind_port=self.proxy.address[1]),
-            self._on_discovered, self.metrics, self.stop_event, sa_dir=self._sa_dir)
+            self._on_discovered, self.metrics, self.stop_event, sa_dir=self._sa_dir,
+            status=self.discovery_status)
         try:
             self.discovery.start()
-        except Exception:
+        except Exception as exc:
             # Provider failures are isolated: static endpoints keep working.
             log.exception("discovery failed to start; static endpoints only")
+            if self.discovery_status is not None:
+                self.discovery_status.error(f"failed to start: {exc}")
             self.metrics.discovery_errors_total.labels(provider=provider).inc()
             self.discovery = None
 
@@ -276,16 +306,45 @@ class App:
         self._state_writer.start(current=cached)
 
     def _on_discovered(self, endpoints: list[Endpoint]) -> None:
-        self.merger.update("kubernetes", endpoints)
         if self._cache_in_use:
-            # Discovery speaks for itself now; after the kubernetes list is applied, so
-            # an endpoint in both never leaves. The cache's others drain like any
-            # removed endpoint (--drain-timeout).
+            # Discovery speaks for itself now: the cache goes in the same update that
+            # applies its first list, so an endpoint in both never leaves; the cache's
+            # others drain like any removed endpoint (--drain-timeout).
             self._cache_in_use = False
             log.info("state file cache dropped: discovery produced its first list")
-            self.merger.update(CACHE, [])
+            self.merger.update(KUBERNETES, endpoints, drop=(CACHE,))
+        else:
+            self.merger.update(KUBERNETES, endpoints)
         if self._state_writer is not None:
             self._state_writer.save(endpoints)
+
+    # -- the operator's view --------------------------------------------------------------
+
+    def _attach_ops_metrics(self) -> None:
+        registry = self.metrics.registry
+        if getattr(registry, "_extractedprism_ops", False):
+            return  # a Metrics shared by two Apps (tests): one process, one set
+        registry._extractedprism_ops = True  # type: ignore[attr-defined]
+        register_runtime_collectors(registry)
+        registry.register(BuildInfoCollector(self._relay_name))
+        registry.register(DiscoveryCollector(self._discovery_view))
+
+    def _relay_name(self) -> str:
+        return self.relay
+
+    def _discovery_view(self) -> DiscoveryView | None:
+        return None if self.discovery_status is None else self.discovery_status.view()
+
+    def process_info(self) -> ProcessInfo:
+        return ProcessInfo(version=__version__, started=self.started_wall, relay=self.relay,
+                           discovery=self._discovery_view())
+
+    def upstreams_document(self) -> dict[str, object]:
+        """The /upstreams body (what `extractedprism status` and `admin list` read)."""
+        return upstreams_document(self.registry.snapshot(), self.process_info())
+
+    def admin_listing(self) -> list[dict[str, object]]:
+        return list(self.upstreams_document()["upstreams"])  # type: ignore[call-overload]
 
     def alive(self) -> bool:
         return self._started and not self.stop_event.is_set() and self.heartbeat.alive()
@@ -302,6 +361,7 @@ class App:
         thread's wake-up): every stage waits against one deadline.
         """
         self.stop_event.set()
+        admin_ok = self.admin.stop() if self.admin is not None else True
         if self._offer is not None:
             self._offer.stop(handover.OFFER_ACCEPT_WAKE_S * 5)
             if self._offer.in_flight:
@@ -328,34 +388,20 @@ class App:
         self.heartbeat.join(min(HEARTBEAT_JOIN_S, left()))
         if self.health is not None:
             ok &= self.health.wait_stopped(deadline)
+        ok &= admin_ok
         log.info("extractedprism stopped clean=%s", ok)
         return ok
 
     def _shutdown_drain(self, window: float) -> None:
         """Stop accepting, then close the live connections spread evenly over
-        ``window``, oldest first, so their clients reconnect (to a successor, or once
-        one runs) a few at a time instead of all at once. What is left at the end is
-        force-closed by the shutdown that follows."""
+        ``window`` (shutdown_drain.py). Whatever is left is force-closed by the
+        shutdown that follows."""
         self.proxy.close_listener()  # refused from now on, unless a successor accepts
-        start = time.monotonic()
         conns = self.registry.live_connections()
-        n = len(conns)
         log.info("shutdown drain: closing connections spread over the window "
-                 "connections=%d window=%gs handed_over=%s", n, window,
+                 "connections=%d window=%gs handed_over=%s", len(conns), window,
                  self.proxy.handed_over)
-        closed = 0
-        for i, conn in enumerate(conns):
-            # Connection i closes at the middle of its 1/n-th of the window: evenly
-            # spaced, none at the very start or end.
-            at = start + window * (i + 0.5) / n
-            delay = at - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            conn.close()  # a no-op for one that ended meanwhile
-            closed += 1
-        rest = start + window - time.monotonic()
-        if rest > 0:
-            time.sleep(rest)
+        closed = spread_close(conns, window)
         log.info("shutdown drain over closed=%d", closed)
 
     def __enter__(self) -> App:

@@ -40,6 +40,8 @@ log = logging.getLogger("extractedprism")
 # status. Each subcommand's code lives in its own module, imported only when run.
 SUBCOMMANDS: dict[str, str] = {
     "status": "extractedprism.status:main",
+    "admin": "extractedprism.admin:main",
+    "static-pod": "extractedprism.staticpod:main",
 }
 
 def flag_help(flag: Flag) -> str:

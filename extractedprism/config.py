@@ -224,6 +224,14 @@ FLAGS: tuple[Flag, ...] = (
         "object per line)",
         LOG_FORMATS,
     ),
+    Flag(
+        "admin-socket",
+        "path",
+        "",
+        "Unix socket for runtime control (`extractedprism admin`: drain, undrain, close, "
+        "list), created with mode 0600 so only this user and root can use it; never a TCP "
+        "port (empty: off)",
+    ),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
@@ -317,6 +325,7 @@ class Config:
     state_file: str = ""
     static_endpoints: str = "always"
     log_format: str = "logfmt"
+    admin_socket: str = ""
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""

@@ -180,13 +180,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             return 200, generate_latest(app.metrics.registry), CONTENT_TYPE_LATEST
         if path == "/upstreams":
-            snap = app.registry.snapshot()
-            body = {
-                "upstreams": [u.as_json() for u in snap.upstreams],
-                "connections_active": snap.connections_active,
-                "max_connections": snap.max_connections,
-                "panic": snap.panic,
-            }
+            body = app.document()
             return 200, (json.dumps(body, indent=2) + "\n").encode(), "application/json"
         return 404, b"not found\n", "text/plain"
 
@@ -235,11 +229,14 @@ class HealthServer:
 
     def __init__(self, registry: Registry, metrics: Metrics, alive: Callable[[], bool], *,
                  host: str, port: int, liveness_reason: Callable[[], str] = str,
-                 listener: socket.socket | None = None) -> None:
+                 listener: socket.socket | None = None,
+                 document: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = registry
         self.metrics = metrics
         self.alive = alive
         self.liveness_reason = liveness_reason
+        # The /upstreams body (App.upstreams_document); without one, the bare snapshot.
+        self.document = document or self._bare_document
         # ``listener``: one taken over from a predecessor (handover.py) instead of a
         # new bind.
         self._loop = ConnectionLoop(host, port, self._respond,
@@ -270,6 +267,15 @@ class HealthServer:
 
     def wait_stopped(self, deadline: float) -> bool:
         return self._loop.wait_stopped(deadline)
+
+    def _bare_document(self) -> dict[str, Any]:
+        snap = self.registry.snapshot()
+        return {
+            "upstreams": [u.as_json() for u in snap.upstreams],
+            "connections_active": snap.connections_active,
+            "max_connections": snap.max_connections,
+            "panic": snap.panic,
+        }
 
     def _respond(self, conn: Conn) -> tuple[bytes, bool]:
         return _Handler(self, conn).answer()

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from extractedprism.snapshot import Snapshot, UpstreamView
@@ -60,8 +61,9 @@ PerUpstream = Callable[["Snapshot", "UpstreamView"], "float | None"]
 GAUGES: tuple[tuple[str, str, Callable[[Snapshot], float]], ...] = (
     ("upstreams_active", "Upstreams eligible for new connections (healthy, not draining)",
      lambda s: sum(1 for u in s.upstreams if u.pickable)),
-    ("upstreams_total", "Total known upstreams, including unhealthy and draining",
-     lambda s: len(s.upstreams)),
+    ("upstreams_total", "Total known upstreams, including unhealthy and draining (not the "
+     "static endpoints --static-endpoints=fallback keeps as a last resort)",
+     lambda s: sum(1 for u in s.upstreams if not u.fallback)),
     ("connections_active", "TCP connections currently passing through the proxy",
      lambda s: s.connections_active),
     ("connections_max", "Maximum concurrent connections (--max-connections)",
@@ -99,7 +101,8 @@ class StateCollector(Collector):
         # the registry has upstreams; an empty list is the documented way to skip that.
         return []
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily
+                                  | HistogramMetricFamily]:
         snap = self._snapshot()
         yield CounterMetricFamily(
             PREFIX + "connections_total",
@@ -108,8 +111,16 @@ class StateCollector(Collector):
         )
         errors = CounterMetricFamily(
             PREFIX + "connection_errors_total",
-            "Failed connection attempts to an upstream (not counted when no upstream was "
-            "available or when the proxy is shutting down)",
+            "Failed connection attempts to an upstream; upstream=\"none\" counts clients "
+            "closed because no upstream was available. Failures caused by proxy shutdown "
+            "are not counted",
+            labels=["upstream"],
+        )
+        # Every client dial, successful or failed, by upstream; health checks are not
+        # client dials and are not observed.
+        dials = HistogramMetricFamily(
+            PREFIX + "dial_duration_seconds",
+            "Time to connect to an upstream for a client connection, successful or failed",
             labels=["upstream"],
         )
         sent = CounterMetricFamily(
@@ -117,12 +128,17 @@ class StateCollector(Collector):
             "Bytes proxied per upstream and direction (up: client to upstream)",
             labels=["upstream", "direction"],
         )
+        errors.add_metric(["none"], snap.turned_away)
         for u in snap.upstreams:
             errors.add_metric([u.address], u.connection_errors)
             sent.add_metric([u.address, "up"], u.bytes_up)
             sent.add_metric([u.address, "down"], u.bytes_down)
+            dials.add_metric([u.address], [(floatToGoString(b), n)
+                                           for b, n in u.dials.cumulative()],
+                             u.dials.total)
         yield errors
         yield sent
+        yield dials
         for name, doc, value in GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value(snap))
         for name, doc, per in UPSTREAM_GAUGES:

@@ -459,6 +459,8 @@ class Proxy:
                 upstream, addr = self._panic_dial(tried)
                 if upstream is None:
                     _no_upstream(client=client)
+                    if not self._stopping.is_set():
+                        reg.record_no_upstream()  # connection_errors_total{upstream="none"}
                     client_sock.close()
                     return
                 if first:  # a silent upstream had them; nothing else left to judge by
@@ -492,6 +494,8 @@ class Proxy:
                     tried.add(addr)
                     if reg.any_pickable(exclude=tried):
                         continue
+                if not reg.closing:  # its upstream drained away, and no other was left
+                    reg.record_no_upstream()
                 client_sock.close()
                 return
             me.name = f"pipe-{client}->{addr}"
@@ -560,6 +564,7 @@ class Proxy:
     def _dial(self, ep: Endpoint, timeout: float, *, panic: bool = False
               ) -> socket.socket | None:
         addr = str(ep)
+        started = time.monotonic()
         try:
             sock = dial(ep, timeout)
         except OSError as exc:
@@ -572,10 +577,11 @@ class Proxy:
             # The spec counts no errors "when no upstream was available": panic-mode
             # attempts are exactly that case, and shutdown failures are not counted.
             self._registry.record_dial(addr, False, reason,
-                                       count_error=not (shutting_down or panic))
+                                       count_error=not (shutting_down or panic),
+                                       duration=time.monotonic() - started)
             _dial_failed(addr, upstream=addr, reason=reason)
             return None
-        self._registry.record_dial(addr, True)
+        self._registry.record_dial(addr, True, duration=time.monotonic() - started)
         return sock
 
     def _panic_dial(self, tried: set[str]) -> tuple[socket.socket | None, str | None]:

@@ -6,6 +6,7 @@ Every thread reads and changes upstream state only through this object:
 * pipe threads call :meth:`pick`, :meth:`record_dial`, :meth:`attach`, :meth:`detach`;
 * discovery calls :meth:`set_endpoints`;
 * the ticker calls :meth:`tick` to expire drain and readiness deadlines;
+* the admin socket calls :meth:`admin_drain`, :meth:`admin_undrain`, :meth:`admin_close`;
 * the health server and the metrics collector read :meth:`snapshot`.
 
 The rules of one upstream's state live in :mod:`extractedprism.upstream` (pure); this
@@ -26,15 +27,19 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from extractedprism import upstream as sm
+from extractedprism.dialstats import DialHistogram
 from extractedprism.effects import Change, Effects
 from extractedprism.endpoints import Endpoint
 from extractedprism.latency import LatencyTiers
 from extractedprism.selection import Candidate, choose
-from extractedprism.snapshot import ConnView, Snapshot, UpstreamView
+from extractedprism.snapshot import AdminMark, ConnView, Snapshot, UpstreamView
 from extractedprism.upstream import ProbeResult, Readiness, UpstreamState
+
+if TYPE_CHECKING:
+    from extractedprism.merge import Roles
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +66,20 @@ class _Record:
     drain_deadline: float | None = None
     unready_deadline: float | None = None
     last_success: float = 0.0
+    # The operator's view: the state word and when it last changed, the last check.
+    word: str = "healthy"
+    since: float = 0.0
+    last_check_at: float | None = None
+    admin_mark: AdminMark | None = None
+    # An admin close: (when, id(conn)) in time order, the last one at +--drain-timeout.
+    close_plan: list[tuple[float, int]] = field(default_factory=list)
+    dials: DialHistogram = field(default_factory=DialHistogram)
     # Counters, exported at scrape time; they go when the record goes.
     total_connections: int = 0
     connection_errors: int = 0
     bytes_up: int = 0  # of finished connections
     bytes_down: int = 0
+    sources: tuple[str, ...] = ()  # the providers listing it (merge.Roles)
 
 
 def _started(conn: Tracked) -> float:
@@ -85,6 +99,7 @@ class Registry:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         on_change: Callable[[Change], None] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.lock = threading.RLock()
         self._selection = selection
@@ -93,6 +108,7 @@ class Registry:
         self._drain_timeout = drain_timeout
         self._max_connections = max_connections
         self._clock = clock
+        self._wall = wall_clock
         self._rng = rng or random.Random()
         self._on_change = on_change
         self._ups: dict[str, _Record] = {}
@@ -100,6 +116,7 @@ class Registry:
         self._panic = False
         self._conn_count = 0
         self._connections_total = 0
+        self._turned_away = 0
         self._closing = False
 
     def _run(self, fx: Effects) -> None:
@@ -107,22 +124,35 @@ class Registry:
 
     # -- discovery ----------------------------------------------------------------
 
-    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
-        """Make ``endpoints`` the upstream list: add new ones, drain removed ones."""
+    def set_endpoints(self, endpoints: Sequence[Endpoint], roles: Roles | None = None
+                      ) -> None:
+        """Make ``endpoints`` the upstream list: add new ones, drain removed ones.
+
+        ``roles`` (from the merger): each address's providers, and the static ones kept
+        only as a last resort (lifecycle FALLBACK: checked, tried in panic mode, never
+        picked normally)."""
         wanted = {str(ep): ep for ep in endpoints}
+        sources = roles.sources if roles is not None else {}
+        fallback = roles.fallback if roles is not None else frozenset()
         fx = Effects()
         with self.lock:
             now = self._clock()
             for addr, ep in wanted.items():
                 rec = self._ups.get(addr)
+                demoted = addr in fallback
                 if rec is None:
-                    self._ups[addr] = _Record(endpoint=ep)
-                    fx.log(logging.INFO, "upstream added upstream=%s", addr)
+                    rec = self._ups[addr] = _Record(endpoint=ep, since=now)
+                    rec.state = sm.listed(rec.state, fallback=demoted)
+                    fx.log(logging.INFO, "upstream added upstream=%s%s", addr,
+                           " fallback=true" if demoted else "")
                 elif rec.state.draining:
-                    rec.state = sm.undrain(rec.state)
+                    rec.state = sm.listed(rec.state, fallback=demoted)
                     rec.drain_deadline = None
                     fx.log(logging.INFO, "upstream drain aborted upstream=%s reason=%r", addr,
                            "re-added")
+                else:
+                    self._set_role_locked(addr, rec, demoted, fx)
+                rec.sources = tuple(sources.get(addr, ()))
             for addr, rec in list(self._ups.items()):
                 if addr in wanted or rec.state.draining:
                     continue
@@ -138,8 +168,34 @@ class Registry:
                            "drain_timeout=%gs", addr, len(rec.conns), self._drain_timeout)
             self._update_readiness_deadlines_locked(now, fx)
             self._update_panic_locked(fx)
+            self._update_words_locked(now)
             fx.changes.append(Change("endpoints"))
         self._run(fx)
+
+    def set_roles(self, roles: Roles) -> None:
+        """The same endpoint list with other roles (sources, fallback demotions)."""
+        fx = Effects()
+        with self.lock:
+            for addr, rec in self._ups.items():
+                if rec.state.draining:
+                    continue
+                self._set_role_locked(addr, rec, addr in roles.fallback, fx)
+                rec.sources = tuple(roles.sources.get(addr, rec.sources))
+            self._update_readiness_deadlines_locked(self._clock(), fx)
+            self._update_panic_locked(fx)
+        self._run(fx)
+
+    @staticmethod
+    def _set_role_locked(addr: str, rec: _Record, demoted: bool, fx: Effects) -> None:
+        if rec.state.fallback == demoted:
+            return
+        rec.state = sm.listed(rec.state, fallback=demoted)
+        if demoted:
+            fx.log(logging.INFO, "upstream kept as a fallback upstream=%s reason=%r", addr,
+                   "static endpoint not in discovery's list")
+        else:
+            fx.log(logging.INFO, "upstream fallback over upstream=%s reason=%r", addr,
+                   "listed by discovery")
 
     def _remove_locked(self, addr: str) -> list[Tracked]:
         rec = self._ups.pop(addr)
@@ -157,9 +213,11 @@ class Registry:
             tier = self._latency.tier if self._latency_mode else None
             addr = choose(
                 [Candidate(address=a, healthy=r.state.healthy, draining=r.state.draining,
+                           fallback=r.state.fallback,
                            ready=r.state.readiness is Readiness.READY,
                            tier=tier(a) if tier is not None else None,
-                           active=len(r.conns) + r.dialing)
+                           active=len(r.conns) + r.dialing,
+                           admin_drained=r.state.admin_drained)
                  for a, r in self._ups.items()],
                 mode=self._selection,
                 readyz=self._readyz,
@@ -189,15 +247,34 @@ class Registry:
         """Every non-draining upstream, most recently successful first (panic mode)."""
         skip = frozenset(exclude)
         with self.lock:
-            recs = [r for a, r in self._ups.items() if not r.state.draining and a not in skip]
+            recs = [r for a, r in self._ups.items()
+                    if not r.state.draining and not r.state.admin_drained and a not in skip]
             recs.sort(key=_last_success, reverse=True)
             return [r.endpoint for r in recs]
+
+    def _update_words_locked(self, now: float) -> None:
+        """Recompute each upstream's state word; a change restarts its ``since``."""
+        for rec in self._ups.values():
+            word = sm.state_word(rec.state, closing_unready=rec.unready_deadline is not None)
+            if word != rec.word:
+                rec.word, rec.since = word, now
+
+    def record_no_upstream(self) -> None:
+        """A client was closed because no upstream was available."""
+        with self.lock:
+            self._turned_away += 1
 
     def _update_panic_locked(self, fx: Effects) -> None:
         panic = bool(self._ups) and not any(r.state.pickable for r in self._ups.values())
         if panic != self._panic:
             self._panic = panic
-            if panic:
+            drained = sum(1 for r in self._ups.values() if r.state.admin_drained)
+            if panic and drained:
+                # An operator's drain is kept even in panic: those are not tried.
+                fx.log(logging.WARNING, "panic: no upstream is pickable; new connections try "
+                       "every known upstream an operator has not drained upstreams=%d "
+                       "admin_drained=%d", len(self._ups), drained)
+            elif panic:
                 fx.log(logging.WARNING, "panic: no upstream is healthy; new connections try "
                        "every known upstream upstreams=%d", len(self._ups))
             else:
@@ -212,24 +289,30 @@ class Registry:
             rec = self._ups.get(addr)
             if rec is None or rec.state.lifecycle not in sm.TAKES_CHECKS:
                 return  # checks stop while an upstream drains; removed ones are gone
+            now = self._clock()
+            rec.last_check_at = now
             if result.ok:
-                rec.last_success = self._clock()
+                rec.last_success = now
                 if self._latency_mode and result.rtt is not None:
                     self._latency.observe(addr, result.rtt)
             rec.state, transitions = sm.on_probe(rec.state, result, readyz=self._readyz)
             fx.transitions(addr, transitions)
-            self._update_readiness_deadlines_locked(self._clock(), fx)
+            self._update_readiness_deadlines_locked(now, fx)
             self._update_panic_locked(fx)
+            self._update_words_locked(now)
         # No change notice: the probe thread wakes the ticker when it finishes.
         self._run(fx)
 
-    def record_dial(self, addr: str, ok: bool, reason: str = "", *, count_error: bool = True
-                    ) -> None:
-        """A client dial's outcome counts toward the same streak as health checks."""
+    def record_dial(self, addr: str, ok: bool, reason: str = "", *, count_error: bool = True,
+                    duration: float | None = None) -> None:
+        """A client dial's outcome counts toward the same streak as health checks;
+        ``duration`` (seconds, successful or not) feeds the dial-time histogram."""
         with self.lock:
             rec = self._ups.get(addr)
             if rec is None:
                 return  # removed: failures are not counted until it is added again
+            if duration is not None:
+                rec.dials.observe(duration)
             if not ok and count_error:
                 rec.connection_errors += 1
             if rec.state.draining:
@@ -240,12 +323,16 @@ class Registry:
             if state is rec.state:
                 return  # the common case: nothing to change, nobody to wake
             rec.state = state
+            now = self._clock()
+            if not ok:
+                rec.last_check_at = now
             fx = Effects()
             fx.transitions(addr, transitions)
             flipped = any(t.health_flipped for t in transitions)
             if flipped:
-                self._update_readiness_deadlines_locked(self._clock(), fx)
+                self._update_readiness_deadlines_locked(now, fx)
             self._update_panic_locked(fx)
+            self._update_words_locked(now)
             if probe:
                 fx.changes.append(Change("probe-now", addr))
             if flipped:
@@ -293,11 +380,127 @@ class Registry:
                            "connections=%d", addr, len(rec.conns))
                     fx.close.extend(self._remove_locked(addr))
             self._update_readiness_deadlines_locked(now, fx)
+            for addr, rec in self._ups.items():
+                if rec.close_plan and rec.close_plan[0][0] <= now:
+                    self._run_close_plan_locked(addr, rec, now, fx)
             self._update_panic_locked(fx)
+            self._update_words_locked(now)
             deadlines = [d for r in self._ups.values()
-                         for d in (r.drain_deadline, r.unready_deadline) if d is not None]
+                         for d in (r.drain_deadline, r.unready_deadline,
+                                   r.close_plan[0][0] if r.close_plan else None)
+                         if d is not None]
         self._run(fx)
         return min(deadlines) if deadlines else None
+
+    # -- operator actions (the admin socket) ----------------------------------------
+
+    def known_addresses(self) -> list[str]:
+        with self.lock:
+            return list(self._ups)
+
+    def _admin_locked(self, addr: str, action: str, uid: int, now: float) -> _Record | None:
+        rec = self._ups.get(addr)
+        if rec is None:
+            return None
+        rec.state = sm.admin_set(rec.state, action)
+        rec.admin_mark = AdminMark(action, uid, now) if action else None
+        if action != "close":
+            rec.close_plan = []
+        return rec
+
+    def _admin_settle_locked(self, now: float, fx: Effects, addr: str) -> None:
+        # The set of pickable (and ready) upstreams changed: readiness closes elsewhere
+        # may start or be called off, panic may begin or end.
+        self._update_readiness_deadlines_locked(now, fx)
+        self._update_panic_locked(fx)
+        self._update_words_locked(now)
+        fx.changes.append(Change("health", addr))  # wakes the ticker for new deadlines
+
+    def admin_drain(self, addr: str, uid: int) -> tuple[int, str]:
+        """No new connections to ``addr``; existing ones stay. (code, message)."""
+        fx = Effects()
+        with self.lock:
+            now = self._clock()
+            rec = self._ups.get(addr)
+            if rec is None:
+                return 2, f"unknown upstream {addr}"
+            if rec.state.admin == "close":
+                return 0, f"{addr} is already closed by an operator (undrain it first)"
+            already = rec.state.admin == "drain"
+            self._admin_locked(addr, "drain", uid, now)
+            self._admin_settle_locked(now, fx, addr)
+            conns = len(rec.conns)
+        self._run(fx)
+        if already:
+            return 0, f"{addr} was already drained"
+        return 0, (f"drained {addr}: no new connections; its {conns} existing connection(s) "
+                   "stay")
+
+    def admin_undrain(self, addr: str, uid: int) -> tuple[int, str]:
+        """Back in service: it takes new connections whenever it is healthy."""
+        fx = Effects()
+        with self.lock:
+            now = self._clock()
+            rec = self._ups.get(addr)
+            if rec is None:
+                return 2, f"unknown upstream {addr}"
+            was = rec.state.admin
+            self._admin_locked(addr, "", uid, now)
+            self._admin_settle_locked(now, fx, addr)
+            state = rec.state
+        self._run(fx)
+        if not was:
+            return 0, f"{addr} was not drained"
+        if state.draining:
+            return 0, f"undrained {addr}; it stays draining: it was removed from the endpoints"
+        if not state.healthy:
+            return 0, (f"undrained {addr}; it is unhealthy and takes new connections once "
+                       "its health checks pass")
+        if self._readyz and not state.ready:
+            return 0, f"undrained {addr}; readyz says not ready: new connections prefer others"
+        return 0, f"undrained {addr}: back in service"
+
+    def admin_close(self, addr: str, uid: int, *, force: bool = False) -> tuple[int, str]:
+        """No new connections to ``addr``, and its connections closed spread over
+        --drain-timeout; refused (code 1) when no other ready (readyz) / healthy (tcp)
+        upstream would be left, unless ``force``."""
+        fx = Effects()
+        with self.lock:
+            now = self._clock()
+            rec = self._ups.get(addr)
+            if rec is None:
+                return 2, f"unknown upstream {addr}"
+            others = [a for a, r in self._ups.items() if a != addr and r.state.pickable
+                      and (r.state.ready or not self._readyz)]
+            kind = "ready" if self._readyz else "healthy"
+            if not others and not force:
+                return 1, (f"refused: closing {addr} would leave no other {kind} upstream; "
+                           "pass --force to close it anyway")
+            self._admin_locked(addr, "close", uid, now)
+            ids = list(rec.conns)  # attach order: oldest first
+            if self._drain_timeout <= 0:
+                rec.close_plan = [(now, i) for i in ids]
+            else:
+                step = self._drain_timeout / max(1, len(ids))
+                rec.close_plan = [(now + step * (n + 1), i) for n, i in enumerate(ids)]
+            if rec.close_plan:
+                fx.log(logging.INFO, "closing connections upstream=%s connections=%d "
+                       "reason=%r over=%gs", addr, len(ids), "admin close",
+                       max(0.0, self._drain_timeout))
+            self._run_close_plan_locked(addr, rec, now, fx)
+            self._admin_settle_locked(now, fx, addr)
+        self._run(fx)
+        left = "" if others else f"; no other {kind} upstream is left (--force)"
+        return 0, (f"closing {addr}: no new connections; its {len(ids)} connection(s) close "
+                   f"spread over {max(0.0, self._drain_timeout):g}s{left}")
+
+    @staticmethod
+    def _run_close_plan_locked(addr: str, rec: _Record, now: float, fx: Effects) -> None:
+        while rec.close_plan and rec.close_plan[0][0] <= now:
+            _, conn_id = rec.close_plan.pop(0)
+            conn = rec.conns.get(conn_id)
+            if conn is not None:  # it may have ended by itself meanwhile
+                fx.close.append(conn)
 
     # -- connections --------------------------------------------------------------
 
@@ -307,7 +510,7 @@ class Registry:
             rec = self._ups.get(addr)
             if rec is not None and rec.dialing > 0:
                 rec.dialing -= 1
-            if rec is None or rec.state.draining or self._closing:
+            if rec is None or rec.state.draining or rec.state.admin_drained or self._closing:
                 return False
             rec.conns[id(conn)] = conn
             rec.total_connections += 1
@@ -321,6 +524,8 @@ class Registry:
             if rec is None or rec.conns.pop(id(conn), None) is None:
                 return
             self._conn_count -= 1
+            if rec.close_plan:  # it ended before its admin close came
+                rec.close_plan = [(t, i) for t, i in rec.close_plan if i != id(conn)]
             rec.bytes_up += conn.bytes_up
             rec.bytes_down += conn.bytes_down
             if not (rec.state.draining and not rec.conns):
@@ -360,6 +565,7 @@ class Registry:
         """A frozen copy of every upstream (and, if asked, every live connection)."""
         with self.lock:
             latency, readyz = self._latency_mode, self._readyz
+            now, wall = self._clock(), self._wall()
             views = tuple(
                 UpstreamView.of(
                     addr, r.state, readyz=readyz,
@@ -367,7 +573,11 @@ class Registry:
                     rtt=self._latency.average(addr) if latency else None,
                     active=len(r.conns), total=r.total_connections, errors=r.connection_errors,
                     bytes_up=r.bytes_up + sum(c.bytes_up for c in r.conns.values()),
-                    bytes_down=r.bytes_down + sum(c.bytes_down for c in r.conns.values()))
+                    bytes_down=r.bytes_down + sum(c.bytes_down for c in r.conns.values()),
+                    sources=r.sources,
+                    state=r.word, since=r.since, last_check_at=r.last_check_at,
+                    draining_reason=_draining_reason(r), close_deadline=_close_deadline(r),
+                    admin=r.admin_mark, dials=r.dials.frozen())
                 for addr, r in sorted(self._ups.items())
             )
             conns = tuple(ConnView(c.client, a, c.started, c.bytes_up, c.bytes_down)
@@ -382,6 +592,9 @@ class Registry:
                 readyz_mode=readyz,
                 connections_total=self._connections_total,
                 connections=conns,
+                turned_away=self._turned_away,
+                taken_mono=now,
+                taken_wall=wall,
             )
 
     def healthy(self) -> bool:
@@ -392,3 +605,22 @@ class Registry:
 
 def _last_success(rec: _Record) -> float:
     return rec.last_success
+
+
+def _draining_reason(rec: _Record) -> str | None:
+    if rec.state.lifecycle is sm.Lifecycle.DRAINING:
+        return "removed"
+    if rec.state.admin_drained:
+        return "admin"
+    if rec.unready_deadline is not None:
+        return "unready"
+    return None
+
+
+def _close_deadline(rec: _Record) -> float | None:
+    """When its remaining connections will all have been closed, if that is scheduled."""
+    times = [t for t in (rec.drain_deadline if rec.state.lifecycle is sm.Lifecycle.DRAINING
+                         else None,
+                         rec.unready_deadline,
+                         rec.close_plan[-1][0] if rec.close_plan else None) if t is not None]
+    return min(times) if times else None

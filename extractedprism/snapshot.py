@@ -9,9 +9,19 @@ removed upstream's series disappear with its record.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from extractedprism.dialstats import DialCounts
 from extractedprism.upstream import UpstreamState, pickable
+
+
+@dataclass(frozen=True)
+class AdminMark:
+    """An operator's action on an upstream (kept in memory only)."""
+
+    action: str  # "drain" | "close"
+    uid: int  # the caller's uid (SO_PEERCRED)
+    at: float  # registry (monotonic) clock
 
 
 @dataclass(frozen=True)
@@ -40,17 +50,44 @@ class UpstreamView:
     connection_errors: int = 0  # failed dials counted for connection_errors_total
     bytes_up: int = 0  # client -> upstream, finished and live connections
     bytes_down: int = 0  # upstream -> client
+    # The providers whose lists hold it, in provider order: "static", "kubernetes",
+    # "cache" (one or several).
+    sources: tuple[str, ...] = ()
+    # The operator's view (issue 15); times are on the registry's monotonic clock,
+    # Snapshot.taken_mono/taken_wall turn them into wall-clock time.
+    state: str = "healthy"  # upstream.state_word
+    since: float = 0.0  # last change of ``state``
+    last_check_at: float | None = None  # last health check, or last failed client dial
+    last_error_source: str = ""  # "probe" | "dial" | ""
+    failures: int = 0  # current consecutive-failure streak
+    ready_reason: str = ""
+    draining_reason: str | None = None  # "removed" | "unready" | "admin"
+    close_deadline: float | None = None  # when its remaining connections are closed
+    admin: AdminMark | None = None
+    dials: DialCounts = field(default_factory=DialCounts)  # client dial times
+
+    @property
+    def admin_drained(self) -> bool:
+        return self.admin is not None
 
     @classmethod
     def of(cls, address: str, s: UpstreamState, *, readyz: bool, tier: int | None,
            rtt: float | None, active: int, total: int, errors: int, bytes_up: int,
-           bytes_down: int) -> UpstreamView:
+           bytes_down: int, sources: tuple[str, ...] = (), **more: object) -> UpstreamView:
         return cls(address=address, healthy=s.healthy, draining=s.draining, ready=s.ready,
                    readiness=s.readiness.value if readyz else "n/a",
                    probed_ready=s.probed_ready, tier=tier, rtt_seconds=rtt,
                    active_connections=active, total_connections=total,
                    last_check_error=s.last_check_error, lifecycle=s.lifecycle.value,
-                   connection_errors=errors, bytes_up=bytes_up, bytes_down=bytes_down)
+                   connection_errors=errors, bytes_up=bytes_up, bytes_down=bytes_down,
+                   last_error_source=s.last_error_source, failures=s.fail_streak,
+                   ready_reason=s.ready_reason if readyz else "not probed (--health-check=tcp)",
+                   sources=sources, **more)  # type: ignore[arg-type]
+
+    @property
+    def fallback(self) -> bool:
+        """A static endpoint demoted by --static-endpoints=fallback (panic mode only)."""
+        return self.lifecycle == "fallback"
 
     @property
     def pickable(self) -> bool:
@@ -59,6 +96,8 @@ class UpstreamView:
     def as_json(self) -> dict[str, object]:
         return {
             "address": self.address,
+            "source": list(self.sources),
+            "state": self.state,
             "healthy": self.healthy,
             "draining": self.draining,
             "ready": self.ready if self.readiness != "n/a" else None,
@@ -81,6 +120,9 @@ class Snapshot:
     readyz_mode: bool
     connections_total: int = 0  # connections established since start (all upstreams)
     connections: tuple[ConnView, ...] = ()  # only with snapshot(connections=True)
+    turned_away: int = 0  # clients closed for lack of an upstream (connection_errors "none")
+    taken_mono: float = 0.0  # the registry clock when the snapshot was taken
+    taken_wall: float = 0.0  # time.time() at the same moment
 
     def get(self, address: str) -> UpstreamView | None:
         return next((u for u in self.upstreams if u.address == address), None)

@@ -17,9 +17,19 @@ Rules
   becomes unready, so it loses its long-lived connections like an unready one.
 * Lifecycle: ACTIVE while in the endpoint list; DRAINING once removed (no new
   connections, no health checks, the health value holds) until its connections end or
-  --drain-timeout; re-adding it makes it ACTIVE again.
-* Pickable for a new connection: healthy and not draining (:func:`pickable`, the one
-  place that says so).
+  --drain-timeout; re-adding it makes it ACTIVE again. FALLBACK (``--static-endpoints=
+  fallback``): a static endpoint that discovery's list lacks; still health-checked and
+  tried in panic mode, never picked normally; listed by discovery again, it is ACTIVE.
+* Pickable for a new connection: healthy, not draining, not a fallback and not drained
+  by an operator (:func:`pickable`, the one place that says so).
+* Operator actions (``extractedprism admin``, kept in memory only): ``admin`` is "" (in
+  service), "drain" (no new connections; existing ones stay) or "close" (no new
+  connections; the registry closes the existing ones spread over --drain-timeout). An
+  admin-drained upstream is still health-checked, so undraining puts it back only when
+  it is healthy.
+* ``last_check_error`` / ``last_error_source``: the latest failed check's reason and
+  whether a health check ("probe") or a client dial ("dial") reported it; a passing
+  probe clears both, a successful dial clears a dial's.
 """
 
 from __future__ import annotations
@@ -60,10 +70,13 @@ class Lifecycle(enum.Enum):
 
     ACTIVE = "active"  # in the merged endpoint list
     DRAINING = "draining"  # removed: connections finish within --drain-timeout
+    FALLBACK = "fallback"  # static, not in discovery's list: last resort (panic mode)
 
 
-# Lifecycles whose upstreams are health-checked and may take new connections.
-TAKES_CHECKS = frozenset({Lifecycle.ACTIVE})
+# Lifecycles whose upstreams are health-checked.
+TAKES_CHECKS = frozenset({Lifecycle.ACTIVE, Lifecycle.FALLBACK})
+# Lifecycles that are in the endpoint list (the others drain).
+LISTED = frozenset({Lifecycle.ACTIVE, Lifecycle.FALLBACK})
 
 
 class _HealthAndDrain(Protocol):
@@ -73,10 +86,21 @@ class _HealthAndDrain(Protocol):
     @property
     def draining(self) -> bool: ...
 
+    @property
+    def fallback(self) -> bool: ...
+
+    @property
+    def admin_drained(self) -> bool: ...
+
 
 def pickable(u: _HealthAndDrain) -> bool:
-    """Eligible for a new connection: healthy and not draining."""
-    return u.healthy and not u.draining
+    """Eligible for a new connection: healthy, not draining, not a fallback, not drained
+    by an operator."""
+    return u.healthy and not u.draining and not u.fallback and not u.admin_drained
+
+
+ADMIN_ACTIONS = ("drain", "close")
+PENDING_REASON = "waiting for the first readyz probe"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +113,21 @@ class UpstreamState:
     tcp_failed_since_probe: bool = False
     lifecycle: Lifecycle = Lifecycle.ACTIVE
     last_check_error: str = ""
+    last_error_source: str = ""  # "probe" | "dial" | "" (no error)
+    ready_reason: str = PENDING_REASON  # why readiness is what it is (readyz only)
+    admin: str = ""  # "" | "drain" | "close" (ADMIN_ACTIONS)
 
     @property
     def draining(self) -> bool:
         return self.lifecycle is Lifecycle.DRAINING
+
+    @property
+    def fallback(self) -> bool:
+        return self.lifecycle is Lifecycle.FALLBACK
+
+    @property
+    def admin_drained(self) -> bool:
+        return bool(self.admin)
 
     @property
     def pickable(self) -> bool:
@@ -142,8 +177,9 @@ def on_tcp(s: UpstreamState, ok: bool, reason: str, source: str, *, readyz: bool
         # keepalive gives up.
         readiness = Readiness.UNREADY
         out.append(Transition("readiness", "ready", "unready", f"TCP {source} failed"))
+    ready_reason = f"TCP {source} failed" if readiness is not s.readiness else s.ready_reason
     return _replace(s, healthy=False, fail_streak=streak, tcp_failed_since_probe=tcp_failed,
-                    readiness=readiness), out
+                    readiness=readiness, ready_reason=ready_reason), out
 
 
 def on_ready(s: UpstreamState, ready: bool, reason: str
@@ -159,8 +195,14 @@ def on_ready(s: UpstreamState, ready: bool, reason: str
         # settles it; otherwise two in a row are needed (spec).
         if fresh or streak >= FAILURE_THRESHOLD:
             readiness = Readiness.UNREADY
+    if ready:
+        why = "readyz answered 200"
+    elif readiness is Readiness.READY:
+        why = f"still ready after {streak} failed probe: {reason}"
+    else:
+        why = reason or "readyz probe failed"
     new = _replace(s, readiness=readiness, ready_fail_streak=streak, probed_ready=True,
-                   tcp_failed_since_probe=False)
+                   tcp_failed_since_probe=False, ready_reason=why)
     if readiness is s.readiness:
         return new, []
     return new, [Transition("readiness", s.readiness.value, readiness.value,
@@ -176,10 +218,11 @@ def on_probe(s: UpstreamState, result: ProbeResult, *, readyz: bool
         s, more = on_ready(s, result.ready, result.ready_reason)
         out += more
     error = result.reason or result.ready_reason
-    if error and error != s.last_check_error:
+    if error and (error != s.last_check_error or s.last_error_source != "probe"):
         out.append(Transition("check", "", "failed", error))
-    if error != s.last_check_error:
-        s = _replace(s, last_check_error=error)
+    source = "probe" if error else ""
+    if error != s.last_check_error or source != s.last_error_source:
+        s = _replace(s, last_check_error=error, last_error_source=source)
     return s, out
 
 
@@ -190,13 +233,21 @@ def on_dial(s: UpstreamState, ok: bool, reason: str, *, readyz: bool
         return s, [], False  # the common case: nothing changes
     was_failed = s.tcp_failed_since_probe
     s, out = on_tcp(s, ok, reason, "dial", readyz=readyz)
+    # A failed dial is a failed check as far as the operator can tell (it counts toward
+    # the same streak); a successful one clears only what a dial reported.
+    if not ok:
+        s = _replace(s, last_check_error=reason, last_error_source="dial")
+    elif s.last_error_source == "dial":
+        s = _replace(s, last_check_error="", last_error_source="")
     if not (ok and readyz and was_failed):
         return s, out, False
     # Reachable again after a TCP failure: not ready until the probe that runs now passes.
     if s.readiness is not Readiness.PENDING:
         out.append(Transition("readiness", s.readiness.value, "pending",
                               "reachable again after TCP failure"))
-    return _replace(s, readiness=Readiness.PENDING, ready_fail_streak=0), out, True
+    return _replace(s, readiness=Readiness.PENDING, ready_fail_streak=0,
+                    ready_reason="reachable again after a TCP failure; waiting for the next "
+                    "readyz probe"), out, True
 
 
 def drain(s: UpstreamState) -> UpstreamState:
@@ -207,6 +258,31 @@ def drain(s: UpstreamState) -> UpstreamState:
 def undrain(s: UpstreamState) -> UpstreamState:
     """Re-added before its drain completed: the drain is aborted."""
     return _replace(s, lifecycle=Lifecycle.ACTIVE)
+
+
+def listed(s: UpstreamState, *, fallback: bool) -> UpstreamState:
+    """In the new endpoint list, as an ordinary upstream or as a fallback (a drain, if
+    any, is aborted)."""
+    want = Lifecycle.FALLBACK if fallback else Lifecycle.ACTIVE
+    return s if s.lifecycle is want else _replace(s, lifecycle=want)
+
+
+def admin_set(s: UpstreamState, action: str) -> UpstreamState:
+    """An operator's drain or close ("" puts it back in service)."""
+    assert action in ("", *ADMIN_ACTIONS), action
+    return s if s.admin == action else _replace(s, admin=action)
+
+
+def state_word(s: UpstreamState, *, closing_unready: bool) -> str:
+    """The one word /upstreams and `status` show: what happens to new connections and
+    to the existing ones, most consequential first."""
+    if s.lifecycle is not Lifecycle.ACTIVE:
+        return s.lifecycle.value  # "draining" (removed from the endpoint list), ...
+    if s.admin:
+        return "admin-drain"
+    if closing_unready:
+        return "closing-unready"
+    return "healthy" if s.healthy else "unhealthy"
 
 
 def loses_connections(s: UpstreamState, another_ready: bool) -> bool:

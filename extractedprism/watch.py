@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 from extractedprism.backoff import LONG_WATCH_S, Backoff, Ended, WatchMemory, next_step
 from extractedprism.config import Config
+from extractedprism.discovery import DiscoveryStatus
 from extractedprism.endpoints import Endpoint
 from extractedprism.kube import Gone, KubeClient, WatchStream, build_client
 from extractedprism.metrics import Metrics
@@ -88,6 +89,7 @@ class KubernetesProvider:
         sa_dir: str | None = None,
         sleep: Callable[[float], object] | None = None,
         watch_timeout_seconds: int | None = None,
+        status: DiscoveryStatus | None = None,
     ) -> None:
         self._config, self._sa_dir = config, sa_dir
         self._on_update = on_update
@@ -97,6 +99,8 @@ class KubernetesProvider:
         self._clock, self._sleep = clock, (sleep if sleep is not None else stop.wait)
         self._rng = rng if rng is not None else random.Random()
         self._watch_timeout = watch_timeout_seconds
+        # What /upstreams and the discovery gauges show; written only by this thread.
+        self._status = status if status is not None else DiscoveryStatus(PROVIDER)
         self.backoff = Backoff(self._rng)
         self._client: KubeClient | None = None
         self._thread: threading.Thread | None = None
@@ -120,10 +124,12 @@ class KubernetesProvider:
             return
         client = build_client(self._config, self._sa_dir)
         if client is None:
+            reason = "no --kubeconfig and no in-cluster service account"
             log.warning(
                 "kubernetes discovery unavailable reason=%r; serving static endpoints only",
-                "no --kubeconfig and no in-cluster service account",
+                reason,
             )
+            self._status.error(f"unavailable: {reason}")
             return
         self._client = client
         self._thread = threading.Thread(name="watcher", target=self._run, daemon=True)
@@ -165,6 +171,7 @@ class KubernetesProvider:
                         return
                     self.restarts += 1
                     self._count_error()
+                    self._status.error("discovery failed; restarting after backoff")
                     if self._clock() - started >= LONG_WATCH_S:
                         deaths.reset()
                     delay = deaths.next_delay()
@@ -199,6 +206,7 @@ class KubernetesProvider:
                         return
                     self._count_error()
                     log.warning("endpointslice list failed error=%s", _describe(exc))
+                    self._status.error(f"list failed: {_describe(exc)}")
                     ended = Ended.LIST_FAILED
             else:
                 opened = self._clock()
@@ -211,6 +219,7 @@ class KubernetesProvider:
                     ended, error = Ended.ERROR, _describe(exc)
                     if not stop.is_set():
                         self._count_error()
+                        self._status.error(f"watch failed: {error}")
                 if stop.is_set():
                     return
                 open_for = self._clock() - opened
@@ -245,6 +254,7 @@ class KubernetesProvider:
         self._cache = cache
         self._rv = rv
         log.info("endpointslices listed slices=%d resource_version=%s", len(cache), rv)
+        self._status.event()
         self._publish()
 
     def _stream(self, client: KubeClient) -> None:
@@ -255,10 +265,13 @@ class KubernetesProvider:
         if self._stop.is_set():  # stop_and_join ran between the call and the registration
             stream.close()
         log.info("watch opened resource_version=%s timeout=%ss", self._rv, timeout)
+        self._status.watch_opened()
         try:
             for event in stream:
+                self._status.event()
                 self._apply(event)
         finally:
+            self._status.watch_closed()
             with self._stream_lock:
                 self._open_stream = None
             stream.release()

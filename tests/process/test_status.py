@@ -64,8 +64,9 @@ def test_table_one_line_per_upstream_then_a_summary(up, tmp_path: Path):
     assert set(by_addr) == {up.address, dead}
     assert by_addr[up.address][2] == "healthy" and "1/1" in by_addr[up.address]
     assert by_addr[dead][2] == "unhealthy"
+    # The last error, with who saw it now that /upstreams says (a check or a client dial).
     assert res.stdout.splitlines()[2 if rows[1][0] == dead else 1].endswith(
-        "connection refused")
+        ("connection refused (probe)", "connection refused (dial)"))
     assert summary.startswith("ready: 1/2 upstreams healthy")
     assert "1 connections" in summary
 
