@@ -19,7 +19,7 @@ from tests.fakes.fake_apiserver import FakeApiServer
 from tests.fakes.upstream import EchoServer, IdentityServer
 
 PRODUCT_THREAD_PREFIXES = ("acceptor", "ticker", "pipe-", "probe-", "watcher", "heartbeat",
-                           "handover", "state-file",
+                           "log-writer", "handover", "state-file",
                            "health-http", "admin-")
 
 
