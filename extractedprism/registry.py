@@ -36,6 +36,7 @@ from extractedprism.effects import Change, Effects
 from extractedprism.endpoints import Endpoint
 from extractedprism.latency import LatencyTiers
 from extractedprism.records import Record, Tracked, last_success, readiness_moves, started
+from extractedprism.reservation import Reservation
 from extractedprism.selection import Candidate, choose
 from extractedprism.snapshot import ConnView, Snapshot
 from extractedprism.upstream import ProbeResult, Readiness
@@ -158,40 +159,57 @@ class Registry(AdminActions):
     # -- selection ----------------------------------------------------------------
 
     def pick(self, exclude: Iterable[str] = ()) -> Endpoint | None:
-        """The upstream for a new connection, or None when nothing is pickable."""
+        """The upstream a new connection would get now (no reservation; see reserve)."""
         with self.lock:
-            tier = self._latency.tier if self._latency_mode else None
-            addr = choose(
-                [Candidate(address=a, healthy=r.state.healthy, draining=r.state.draining,
-                           fallback=r.state.fallback,
-                           ready=r.state.readiness is Readiness.READY,
-                           tier=tier(a) if tier is not None else None,
-                           active=len(r.conns) + r.dialing,
-                           admin_drained=r.state.admin_drained)
-                 for a, r in self._ups.items()],
-                mode=self._selection,
-                readyz=self._readyz,
-                rng=self._rng,
-                exclude=frozenset(exclude) if exclude else (),
-            )
+            addr = self._choose_locked(exclude)
+            return None if addr is None else self._ups[addr].endpoint
+
+    def reserve(self, exclude: Iterable[str] = ()) -> Reservation | None:
+        """Pick the upstream for a new connection and count its dial in flight, so
+        concurrent picks see each other; None when nothing is pickable."""
+        with self.lock:
+            addr = self._choose_locked(exclude)
             if addr is None:
                 return None
             rec = self._ups[addr]
-            # Counted until attach() or abandon(), so concurrent picks see each other.
             rec.dialing += 1
-            return rec.endpoint
+            return Reservation(self.lock, rec, addr)
+
+    def reserve_endpoint(self, endpoint: Endpoint) -> Reservation | None:
+        """Count a dial to ``endpoint`` chosen by panic mode; None if no longer known."""
+        addr = str(endpoint)
+        with self.lock:
+            rec = self._ups.get(addr)
+            if rec is None:
+                return None
+            rec.dialing += 1
+            return Reservation(self.lock, rec, addr, panic=True)
+
+    def _choose_locked(self, exclude: Iterable[str]) -> str | None:
+        tier = self._latency.tier if self._latency_mode else None
+        return choose(
+            [Candidate(address=a, healthy=r.state.healthy, draining=r.state.draining,
+                       fallback=r.state.fallback,
+                       ready=r.state.readiness is Readiness.READY,
+                       tier=tier(a) if tier is not None else None,
+                       active=len(r.conns) + r.dialing,
+                       admin_drained=r.state.admin_drained)
+             for a, r in self._ups.items()],
+            mode=self._selection,
+            readyz=self._readyz,
+            rng=self._rng,
+            exclude=frozenset(exclude) if exclude else (),
+        )
 
     def any_pickable(self, exclude: Iterable[str] = ()) -> bool:
         skip = frozenset(exclude)
         with self.lock:
             return any(r.state.pickable and a not in skip for a, r in self._ups.items())
 
-    def abandon(self, addr: str) -> None:
-        """A picked upstream was not used after all (its dial failed)."""
-        with self.lock:
-            rec = self._ups.get(addr)
-            if rec is not None and rec.dialing > 0:
-                rec.dialing -= 1
+    @staticmethod
+    def abandon(reservation: Reservation) -> None:
+        """A reserved upstream was not used after all (its dial failed)."""
+        reservation.release()
 
     def panic_order(self, exclude: Iterable[str] = ()) -> list[Endpoint]:
         """Every non-draining upstream, most recently successful first (panic mode)."""
@@ -258,36 +276,42 @@ class Registry(AdminActions):
         """A client dial's outcome counts toward the same streak as health checks;
         ``duration`` (seconds, successful or not) feeds the dial-time histogram."""
         with self.lock:
-            rec = self._ups.get(addr)
-            if rec is None:
-                return  # removed: failures are not counted until it is added again
-            if duration is not None:
-                rec.dials.observe(duration)
-            if not ok and count_error:
-                rec.connection_errors += 1
-            if rec.state.draining:
-                return
-            if ok:
-                rec.last_success = self._clock()
-            state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)
-            if state is rec.state:
-                return  # the common case: nothing to change, nobody to wake
-            rec.state = state
-            now = self._clock()
-            if not ok:
-                rec.last_check_at = now
-            fx = Effects()
-            fx.transitions(addr, transitions)
-            flipped = any(t.health_flipped for t in transitions)
-            if flipped:
-                self._update_readiness_deadlines_locked(now, fx)
-            self._update_panic_locked(fx)
-            self._update_words_locked(now)
-            if probe:
-                fx.changes.append(Change("probe-now", addr))
-            if flipped:
-                fx.changes.append(Change("health", addr))
-        self._run(fx)
+            fx = self._record_dial_locked(addr, ok, reason, count_error, duration)
+        if fx is not None:
+            self._run(fx)
+
+    def _record_dial_locked(self, addr: str, ok: bool, reason: str, count_error: bool,
+                            duration: float | None) -> Effects | None:
+        rec = self._ups.get(addr)
+        if rec is None:
+            return None  # removed: failures are not counted until it is added again
+        if duration is not None:
+            rec.dials.observe(duration)
+        if not ok and count_error:
+            rec.connection_errors += 1
+        if rec.state.draining:
+            return None
+        if ok:
+            rec.last_success = self._clock()
+        state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)
+        if state is rec.state:
+            return None  # the common case: nothing to change, nobody to wake
+        rec.state = state
+        now = self._clock()
+        if not ok:
+            rec.last_check_at = now
+        fx = Effects()
+        fx.transitions(addr, transitions)
+        flipped = any(t.health_flipped for t in transitions)
+        if flipped:
+            self._update_readiness_deadlines_locked(now, fx)
+        self._update_panic_locked(fx)
+        self._update_words_locked(now)
+        if probe:
+            fx.changes.append(Change("probe-now", addr))
+        if flipped:
+            fx.changes.append(Change("health", addr))
+        return fx
 
     # -- readiness-driven connection moves ----------------------------------------
 
@@ -321,19 +345,32 @@ class Registry(AdminActions):
 
     # -- connections --------------------------------------------------------------
 
-    def attach(self, addr: str, conn: Tracked) -> bool:
-        """Track a connection that just dialed ``addr``; False if it drains or left."""
+    def attach(self, target: Reservation | str, conn: Tracked) -> bool:
+        """Track a connection that just dialed its reserved upstream (the reservation
+        ends here, attached or not); False if the upstream drains or left meanwhile.
+
+        The reservation's dial succeeded: recorded here, in the same lock round trip. A
+        plain address attaches without a reservation and records nothing (tests, tools)."""
+        fx = None
         with self.lock:
+            if isinstance(target, Reservation):
+                target.take_locked()
+                addr = target.address
+                fx = self._record_dial_locked(addr, True, "", True, target.dial_seconds)
+            else:
+                addr = target
             rec = self._ups.get(addr)
-            if rec is not None and rec.dialing > 0:
-                rec.dialing -= 1
-            if rec is None or rec.state.draining or rec.state.admin_drained or self._closing:
-                return False
-            rec.conns[id(conn)] = conn
-            rec.total_connections += 1
-            self._conn_count += 1
-            self._connections_total += 1
-            return True
+            ok = not (rec is None or rec.state.draining or rec.state.admin_drained
+                      or self._closing)
+            if ok:
+                assert rec is not None
+                rec.conns[id(conn)] = conn
+                rec.total_connections += 1
+                self._conn_count += 1
+                self._connections_total += 1
+        if fx is not None:
+            self._run(fx)
+        return ok
 
     def detach(self, addr: str, conn: Tracked) -> None:
         with self.lock:

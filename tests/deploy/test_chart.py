@@ -62,6 +62,8 @@ NON_DEFAULTS: dict[str, Any] = {
     "kubeconfig": "/etc/extractedprism/kubeconfig",
     "max-connections": 1000000,
     "pipe-sched": "normal",
+    "relay": "python",
+    "dial-hedge-delay": "0s",
     "handover-socket": "/run/ep/handover.sock",
     "shutdown-drain-timeout": "5s",
     "state-file": "/var/lib/ep/state.json",

@@ -147,13 +147,13 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
     """A connection whose upstream starts draining while it is dialed gets one retry."""
     ups = servers(2)
     app = make_app([u.endpoint for u in ups], drain_timeout=5.0)
-    from extractedprism import proxy as proxy_mod
+    from extractedprism import dialer as proxy_mod  # where the blocking dial is called
 
     real_dial = proxy_mod.dial
     fired = threading.Event()
 
-    def racing_dial(ep: Endpoint, timeout: float) -> socket.socket:
-        sock = real_dial(ep, timeout)
+    def racing_dial(ep: Endpoint, timeout: float, *rest: bool) -> socket.socket:
+        sock = real_dial(ep, timeout, *rest)
         if str(ep) == ups[0].address and not fired.is_set():
             fired.set()
             app.registry.set_endpoints([ups[1].endpoint])  # drain starts mid-dial

@@ -63,8 +63,10 @@ def test_build_info(make_app, servers) -> None:
     assert fam.type == "gauge"
     (s,) = fam.samples
     assert s.value == 1
+    # --relay=auto with the extension built (pip install .): the native relay.
+    assert app.relay == "native"
     assert s.labels == {"version": __version__, "python": platform.python_version(),
-                        "relay": "python"}
+                        "relay": "native"}
 
 
 def test_dial_duration_observes_every_client_dial_not_health_checks(make_app, servers

@@ -223,6 +223,8 @@ health-check-server-name: healthCheckServerName
 kubeconfig: kubeconfig
 max-connections: maxConnections
 pipe-sched: pipeSched
+relay: relay
+dial-hedge-delay: dialHedgeDelay
 handover-socket: handoverSocket
 shutdown-drain-timeout: shutdownDrainTimeout
 state-file: stateFile
