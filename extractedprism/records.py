@@ -2,18 +2,20 @@
 
 Owns the fields the registry's lock guards for one upstream address: its state
 (:class:`~extractedprism.upstream.UpstreamState`), live connections, deadlines,
-operator marks and counters, and how they become an
-:class:`~extractedprism.snapshot.UpstreamView`. Only registry methods (under the lock)
-touch a record.
+operator marks and counters, how they become an
+:class:`~extractedprism.snapshot.UpstreamView`, and the readiness-driven connection
+moves over all records. Only registry methods (under the lock) touch a record.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from extractedprism import upstream as sm
 from extractedprism.dialstats import DialHistogram
+from extractedprism.effects import Effects
 from extractedprism.endpoints import Endpoint
 from extractedprism.snapshot import AdminMark, UpstreamView
 from extractedprism.upstream import UpstreamState
@@ -56,6 +58,18 @@ class Record:
     bytes_down: int = 0
     sources: tuple[str, ...] = ()  # the providers listing it (merge.Roles)
 
+    def set_role(self, addr: str, demoted: bool, fx: Effects) -> None:
+        """Demoted to a fallback (a static endpoint discovery does not list) or back."""
+        if self.state.fallback == demoted:
+            return
+        self.state = sm.listed(self.state, fallback=demoted)
+        if demoted:
+            fx.log(logging.INFO, "upstream kept as a fallback upstream=%s reason=%r", addr,
+                   "static endpoint not in discovery's list")
+        else:
+            fx.log(logging.INFO, "upstream fallback over upstream=%s reason=%r", addr,
+                   "listed by discovery")
+
     def view(self, addr: str, *, readyz: bool, tier: int | None, rtt: float | None
              ) -> UpstreamView:
         live = self.conns.values()
@@ -95,3 +109,26 @@ def _close_deadline(rec: Record) -> float | None:
                          rec.unready_deadline,
                          rec.close_plan[-1][0] if rec.close_plan else None) if t is not None]
     return min(times) if times else None
+
+
+def readiness_moves(records: dict[str, Record], now: float, drain_timeout: float,
+                    fx: Effects) -> None:
+    """Readiness moves existing connections (spec): start, expire or call off each
+    unready upstream's close deadline, collecting the closes and log lines in ``fx``."""
+    ready = {a for a, r in records.items() if r.state.pickable and r.state.ready}
+    for addr, rec in records.items():
+        rec.unready_deadline, close, what = sm.unready_close(
+            rec.state, bool(ready - {addr}), rec.unready_deadline, now, drain_timeout)
+        if close:
+            conns = list(rec.conns.values())
+            if conns:
+                fx.log(logging.INFO, "closing connections upstream=%s connections=%d "
+                       "reason=%r", addr, len(conns), "unready")
+            fx.close.extend(conns)  # pipes detach themselves when they notice the close
+        elif what == "scheduled" and rec.conns:
+            fx.log(logging.INFO, "upstream unready; closing its connections after drain "
+                   "timeout upstream=%s connections=%d drain_timeout=%gs", addr,
+                   len(rec.conns), drain_timeout)
+        elif what and what != "scheduled":
+            fx.log(logging.INFO, "upstream connection close called off upstream=%s "
+                   "reason=%r", addr, what)

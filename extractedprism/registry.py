@@ -35,7 +35,7 @@ from extractedprism.adminops import AdminActions
 from extractedprism.effects import Change, Effects
 from extractedprism.endpoints import Endpoint
 from extractedprism.latency import LatencyTiers
-from extractedprism.records import Record, Tracked, last_success, started
+from extractedprism.records import Record, Tracked, last_success, readiness_moves, started
 from extractedprism.reservation import Reservation
 from extractedprism.selection import Candidate, choose
 from extractedprism.snapshot import ConnView, Snapshot
@@ -114,7 +114,7 @@ class Registry(AdminActions):
                     fx.log(logging.INFO, "upstream drain aborted upstream=%s reason=%r", addr,
                            "re-added")
                 else:
-                    self._set_role_locked(addr, rec, demoted, fx)
+                    rec.set_role(addr, demoted, fx)
                 rec.sources = tuple(sources.get(addr, ()))
             for addr, rec in list(self._ups.items()):
                 if addr in wanted or rec.state.draining:
@@ -142,23 +142,11 @@ class Registry(AdminActions):
             for addr, rec in self._ups.items():
                 if rec.state.draining:
                     continue
-                self._set_role_locked(addr, rec, addr in roles.fallback, fx)
+                rec.set_role(addr, addr in roles.fallback, fx)
                 rec.sources = tuple(roles.sources.get(addr, rec.sources))
             self._update_readiness_deadlines_locked(self._clock(), fx)
             self._update_panic_locked(fx)
         self._run(fx)
-
-    @staticmethod
-    def _set_role_locked(addr: str, rec: Record, demoted: bool, fx: Effects) -> None:
-        if rec.state.fallback == demoted:
-            return
-        rec.state = sm.listed(rec.state, fallback=demoted)
-        if demoted:
-            fx.log(logging.INFO, "upstream kept as a fallback upstream=%s reason=%r", addr,
-                   "static endpoint not in discovery's list")
-        else:
-            fx.log(logging.INFO, "upstream fallback over upstream=%s reason=%r", addr,
-                   "listed by discovery")
 
     def _remove_locked(self, addr: str) -> list[Tracked]:
         rec = self._ups.pop(addr)
@@ -328,31 +316,8 @@ class Registry(AdminActions):
     # -- readiness-driven connection moves ----------------------------------------
 
     def _update_readiness_deadlines_locked(self, now: float, fx: Effects) -> None:
-        if not self._readyz:
-            return
-        ready_addrs = {a for a, r in self._ups.items() if r.state.pickable and r.state.ready}
-        for addr, rec in self._ups.items():
-            rec.unready_deadline, close, what = sm.unready_close(
-                rec.state, bool(ready_addrs - {addr}), rec.unready_deadline, now,
-                self._drain_timeout)
-            if close:
-                self._close_conns_locked(addr, rec, fx)
-            elif what == "scheduled" and rec.conns:
-                fx.log(logging.INFO, "upstream unready; closing its connections after "
-                       "drain timeout upstream=%s connections=%d drain_timeout=%gs", addr,
-                       len(rec.conns), self._drain_timeout)
-            elif what and what != "scheduled":
-                fx.log(logging.INFO, "upstream connection close called off upstream=%s "
-                       "reason=%r", addr, what)
-
-    @staticmethod
-    def _close_conns_locked(addr: str, rec: Record, fx: Effects) -> None:
-        conns = list(rec.conns.values())
-        if conns:
-            fx.log(logging.INFO, "closing connections upstream=%s connections=%d reason=%r",
-                   addr, len(conns), "unready")
-        # Pipes detach themselves when their thread notices the close.
-        fx.close.extend(conns)
+        if self._readyz:
+            readiness_moves(self._ups, now, self._drain_timeout, fx)
 
     def tick(self) -> float | None:
         """Expire drain and readiness deadlines; return the next deadline, if any."""
