@@ -80,9 +80,6 @@ class App:
             on_change=self._registry_changed,
         )
         self.metrics.attach_state(self.registry.snapshot)
-        # The data path in use, "native" or "python" (/upstreams, build_info); the one
-        # place --relay (issue 16) sets.
-        self.relay = "python"
         self.started_wall = time.time()
         self.discovery_status = DiscoveryStatus() if config.enable_discovery else None
         self._attach_ops_metrics()
@@ -104,8 +101,12 @@ class App:
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
-                           pipe_sched=config.pipe_sched,
+                           pipe_sched=config.pipe_sched, relay=config.relay,
+                           dial_hedge_delay=config.dial_hedge_delay,
                            on_accept_loop=self.heartbeat.accept_turned)
+        # The data path in use, "native" or "python" (--relay resolved; logged at start,
+        # /upstreams and extractedprism_build_info{relay=...} read it here).
+        self.relay = self.proxy.relay
         self.merger = Merger(self.registry.set_endpoints, self.metrics,
                              static_mode=config.static_endpoints,
                              apply_roles=self.registry.set_roles)
@@ -264,9 +265,9 @@ class App:
         host, port = self.proxy.address
         hhost, hport = self.health.address
         log.info("extractedprism started listen=%s:%d health=%s:%d endpoints=%s selection=%s "
-                 "health_check=%s discovery=%s", host, port, hhost, hport,
+                 "health_check=%s discovery=%s relay=%s", host, port, hhost, hport,
                  ",".join(str(e) for e in cfg.endpoints), cfg.upstream_selection,
-                 cfg.health_check, cfg.enable_discovery)
+                 cfg.health_check, cfg.enable_discovery, self.relay)
 
     def _start_discovery(self) -> None:
         # Imported here: the kubernetes client takes ~0.5 s to import, which static-only

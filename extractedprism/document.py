@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from extractedprism.discovery import DiscoveryView
 
 if TYPE_CHECKING:
-    from extractedprism.registry import Snapshot, UpstreamView
+    from extractedprism.snapshot import Snapshot, UpstreamView
 
 
 def rfc3339(wall: float | None) -> str | None:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,45 @@ def test_a_stalled_stderr_blocks_no_connection(tmp_path: Path) -> None:
 def _read_all(fd: int, into: list[bytes]) -> None:
     while chunk := os.read(fd, 65536):
         into.append(chunk)
+
+
+@pytest.mark.timeout(60)
+def test_exit_is_not_held_up_by_a_stalled_stderr(tmp_path: Path) -> None:
+    up = IdentityServer(name="up").start()
+    r, w = os.pipe()
+    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
+
+    def start(ports: list[int]) -> subprocess.Popen[Any]:
+        return subprocess.Popen(
+            [PYTHON, "-m", "extractedprism", "--endpoints", up.address,
+             "--enable-discovery=false", "--bind-port", str(ports[0]),
+             "--health-port", str(ports[1]), "--log-level", "debug",
+             "--health-interval", "2s", "--health-timeout", "1s"],
+            env=env, cwd=ROOT, stderr=w, stdout=subprocess.DEVNULL)
+
+    def ready(ports: list[int]) -> bool:
+        try:
+            return http(("127.0.0.1", ports[1]), "/healthz", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    proc, (bind, _) = start_on_free_ports(start, ready)
+    os.close(w)
+    try:
+        for _ in range(50):  # far more than the pipe holds
+            with socket.create_connection(("127.0.0.1", bind), timeout=5) as s:
+                assert s.recv(3) == b"up\n"
+        # Nobody reads stderr, ever: the process still exits, cleanly, within the
+        # spec's shutdown bound (the writer waits at most 1 s for the queue to drain,
+        # and lines after that are written only when the pipe has room).
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert time.monotonic() - t0 < 6
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(r)
+        up.stop()
