@@ -35,8 +35,9 @@ from extractedprism.discovery import DiscoveryStatus, DiscoveryView
 from extractedprism.document import ProcessInfo, upstreams_document
 from extractedprism.endpoints import Endpoint
 from extractedprism.errors import ListenError
+from extractedprism.heartbeat import Heartbeat
 from extractedprism.httpd import HealthServer
-from extractedprism.merge import Merger
+from extractedprism.merge import CACHE, KUBERNETES, STATIC, Merger
 from extractedprism.metrics import Metrics
 from extractedprism.opsmetrics import (
     BuildInfoCollector,
@@ -46,6 +47,7 @@ from extractedprism.opsmetrics import (
 from extractedprism.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
 from extractedprism.proxy import Proxy
 from extractedprism.registry import Change, Registry
+from extractedprism.shutdown_drain import spread_close
 from extractedprism.ticker import Ticker
 
 if TYPE_CHECKING:
@@ -55,56 +57,6 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 5.0
 HEARTBEAT_JOIN_S = 1.0
-CACHE = "cache"  # the provider name of the state file's endpoints
-
-
-class Heartbeat:
-    """Liveness: every --liveness-interval, confirm what a restart would fix: the
-    registry lock can be taken, and the acceptor and the ticker make progress (checked
-    by their loop counters and clocks, not only ``is_alive()``). /healthz fails when the
-    last confirmation is older than --liveness-threshold. Discovery is not part of it:
-    provider failures are isolated (the watcher restarts itself) and the static
-    endpoints keep serving, so a restart of the pod would only cut every connection."""
-
-    def __init__(self, app: App, *, interval: float, threshold: float, stop: threading.Event,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._app = app
-        self._interval = interval
-        self._threshold = threshold
-        self._stop = stop
-        self._clock = clock
-        self.last_beat = clock()
-        self.last_problem = ""
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(name="heartbeat", target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.check()
-
-    def check(self) -> bool:
-        problem = self._app.liveness_problem(self._interval)
-        if problem:
-            if problem != self.last_problem:
-                log.error("liveness check failed reason=%r", problem)
-            self.last_problem = problem
-            return False
-        if self.last_problem:
-            log.info("liveness check passes again")
-            self.last_problem = ""
-        self.last_beat = self._clock()
-        return True
-
-    def alive(self) -> bool:
-        return (self._clock() - self.last_beat <= self._threshold
-                and self._thread is not None and self._thread.is_alive())
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
 
 
 class App:
@@ -128,13 +80,8 @@ class App:
             on_change=self._registry_changed,
         )
         self.metrics.attach_state(self.registry.snapshot)
-        # The data path in use, "native" or "python" (/upstreams, build_info); the one
-        # place --relay (issue 16) sets.
-        self.relay = "python"
         self.started_wall = time.time()
         self.discovery_status = DiscoveryStatus() if config.enable_discovery else None
-        self._discovered: list[Endpoint] = []
-        self._cached: list[Endpoint] = []  # the state file's endpoints while in use
         self._attach_ops_metrics()
         readyz = None
         if config.health_check == "readyz":
@@ -149,19 +96,23 @@ class App:
                              timeout=config.health_timeout, readyz=readyz,
                              stop=self.stop_event, prober=prober,
                              max_wait=min(config.liveness_interval, config.health_interval))
+        self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
+                                   threshold=config.liveness_threshold, stop=self.stop_event)
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
-                           pipe_sched=config.pipe_sched, on_accept_loop=self._accept_turned)
-        self.merger = Merger(self.registry.set_endpoints, self.metrics)
+                           pipe_sched=config.pipe_sched, relay=config.relay,
+                           dial_hedge_delay=config.dial_hedge_delay,
+                           on_accept_loop=self.heartbeat.accept_turned)
+        # The data path in use, "native" or "python" (--relay resolved; logged at start,
+        # /upstreams and extractedprism_build_info{relay=...} read it here).
+        self.relay = self.proxy.relay
+        self.merger = Merger(self.registry.set_endpoints, self.metrics,
+                             static_mode=config.static_endpoints,
+                             apply_roles=self.registry.set_roles)
         self.discovery: KubernetesProvider | None = None
-        self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
-                                   threshold=config.liveness_threshold, stop=self.stop_event)
         self.health: HealthServer | None = None  # made in start(), after the proxy binds
         self.admin: AdminServer | None = None  # with --admin-socket, made in start()
-        self._accept_loops = 0
-        self._accept_seen = 0
-        self._accept_suspect: int | None = None
         self._offer: handover.Offer | None = None
         self._state_writer: statefile.StateWriter | None = None
         self._cache_in_use = False
@@ -299,7 +250,7 @@ class App:
                 log.warning("readyz CA file unusable flag=--health-check-ca-file path=%s "
                             "reason=%r; every readyz probe fails until it is fixed",
                             cfg.health_check_ca_file, problem)
-        self.merger.update("static", list(cfg.endpoints))
+        self.merger.update(STATIC, list(cfg.endpoints))
         self._load_state_file()
         if cfg.enable_discovery:
             self._start_discovery()
@@ -314,9 +265,9 @@ class App:
         host, port = self.proxy.address
         hhost, hport = self.health.address
         log.info("extractedprism started listen=%s:%d health=%s:%d endpoints=%s selection=%s "
-                 "health_check=%s discovery=%s", host, port, hhost, hport,
+                 "health_check=%s discovery=%s relay=%s", host, port, hhost, hport,
                  ",".join(str(e) for e in cfg.endpoints), cfg.upstream_selection,
-                 cfg.health_check, cfg.enable_discovery)
+                 cfg.health_check, cfg.enable_discovery, self.relay)
 
     def _start_discovery(self) -> None:
         # Imported here: the kubernetes client takes ~0.5 s to import, which static-only
@@ -351,29 +302,22 @@ class App:
         cached = statefile.read(cfg.state_file)
         if cached:
             self._cache_in_use = True
-            self._cached = list(cached)
             self.merger.update(CACHE, cached)
         self._state_writer = statefile.StateWriter(cfg.state_file, self.stop_event)
         self._state_writer.start(current=cached)
 
     def _on_discovered(self, endpoints: list[Endpoint]) -> None:
-        self._discovered = list(endpoints)
-        self.merger.update("kubernetes", endpoints)
         if self._cache_in_use:
-            # Discovery speaks for itself now; after the kubernetes list is applied, so
-            # an endpoint in both never leaves. The cache's others drain like any
-            # removed endpoint (--drain-timeout).
+            # Discovery speaks for itself now: the cache goes in the same update that
+            # applies its first list, so an endpoint in both never leaves; the cache's
+            # others drain like any removed endpoint (--drain-timeout).
             self._cache_in_use = False
-            self._cached = []
             log.info("state file cache dropped: discovery produced its first list")
-            self.merger.update(CACHE, [])
+            self.merger.update(KUBERNETES, endpoints, drop=(CACHE,))
+        else:
+            self.merger.update(KUBERNETES, endpoints)
         if self._state_writer is not None:
             self._state_writer.save(endpoints)
-
-    def _accept_turned(self) -> None:
-        # The acceptor's progress counter (acceptor thread; one writer, read by the
-        # heartbeat: a plain int is enough).
-        self._accept_loops += 1
 
     # -- the operator's view --------------------------------------------------------------
 
@@ -392,54 +336,16 @@ class App:
     def _discovery_view(self) -> DiscoveryView | None:
         return None if self.discovery_status is None else self.discovery_status.view()
 
-    def sources(self) -> dict[str, list[str]]:
-        """The providers that list each address (static, cache, kubernetes)."""
-        out: dict[str, list[str]] = {}
-        for ep in self.config.endpoints:
-            out.setdefault(str(ep), []).append("static")
-        for ep in self._cached:
-            out.setdefault(str(ep), []).append(CACHE)
-        for ep in self._discovered:
-            out.setdefault(str(ep), []).append("kubernetes")
-        return out
-
     def process_info(self) -> ProcessInfo:
         return ProcessInfo(version=__version__, started=self.started_wall, relay=self.relay,
                            discovery=self._discovery_view())
 
     def upstreams_document(self) -> dict[str, object]:
         """The /upstreams body (what `extractedprism status` and `admin list` read)."""
-        return upstreams_document(self.registry.snapshot(), self.process_info(),
-                                  self.sources())
+        return upstreams_document(self.registry.snapshot(), self.process_info())
 
     def admin_listing(self) -> list[dict[str, object]]:
         return list(self.upstreams_document()["upstreams"])  # type: ignore[call-overload]
-
-    def liveness_problem(self, lock_timeout: float) -> str:
-        """Empty when alive, else what is wrong (heartbeat thread)."""
-        if not self.registry.lock.acquire(timeout=lock_timeout):
-            return "registry lock not acquired"
-        self.registry.lock.release()
-        if not self.proxy.acceptor_alive() and not self.proxy.handed_over:
-            return "acceptor thread exited"
-        # Idle, the acceptor blocks in accept() and its counter stands still; stuck, it
-        # also leaves clients in the backlog. A client that waited since the previous
-        # check without the loop turning means stuck (one check alone could race a
-        # client arriving just now).
-        loops, seen = self._accept_loops, self._accept_seen
-        self._accept_seen = loops
-        if self.proxy.backlog_waiting() and loops == seen:
-            if self._accept_suspect == loops:
-                return "acceptor not accepting: a client waits in the backlog"
-            self._accept_suspect = loops
-        else:
-            self._accept_suspect = None
-        if not self.ticker.alive():
-            return "ticker thread exited"
-        age = time.monotonic() - self.ticker.last_loop
-        if age > self.config.liveness_threshold:
-            return f"ticker loop stalled for {age:.1f}s"
-        return ""
 
     def alive(self) -> bool:
         return self._started and not self.stop_event.is_set() and self.heartbeat.alive()
@@ -489,29 +395,14 @@ class App:
 
     def _shutdown_drain(self, window: float) -> None:
         """Stop accepting, then close the live connections spread evenly over
-        ``window``, oldest first, so their clients reconnect (to a successor, or once
-        one runs) a few at a time instead of all at once. What is left at the end is
-        force-closed by the shutdown that follows."""
+        ``window`` (shutdown_drain.py). Whatever is left is force-closed by the
+        shutdown that follows."""
         self.proxy.close_listener()  # refused from now on, unless a successor accepts
-        start = time.monotonic()
         conns = self.registry.live_connections()
-        n = len(conns)
         log.info("shutdown drain: closing connections spread over the window "
-                 "connections=%d window=%gs handed_over=%s", n, window,
+                 "connections=%d window=%gs handed_over=%s", len(conns), window,
                  self.proxy.handed_over)
-        closed = 0
-        for i, conn in enumerate(conns):
-            # Connection i closes at the middle of its 1/n-th of the window: evenly
-            # spaced, none at the very start or end.
-            at = start + window * (i + 0.5) / n
-            delay = at - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            conn.close()  # a no-op for one that ended meanwhile
-            closed += 1
-        rest = start + window - time.monotonic()
-        if rest > 0:
-            time.sleep(rest)
+        closed = spread_close(conns, window)
         log.info("shutdown drain over closed=%d", closed)
 
     def __enter__(self) -> App:

@@ -37,6 +37,7 @@ from extractedprism.flags import (
     parse_duration,
     show_value,
 )
+from extractedprism.selection import MODES as SELECTION_MODES  # selection owns its modes
 
 __all__ = [
     "AT_LEAST_1",
@@ -67,9 +68,9 @@ __all__ = [
 
 LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
 LOG_FORMATS = ("logfmt", "json")
-SELECTION_MODES = ("random", "latency", "least-conn")
 HEALTH_CHECKS = ("tcp", "readyz")
 PIPE_SCHED_POLICIES = ("batch", "normal")
+RELAYS = ("auto", "native", "python")
 STATIC_ENDPOINT_MODES = ("always", "fallback")
 
 
@@ -184,6 +185,24 @@ FLAGS: tuple[Flag, ...] = (
         "unchanged: a woken pipe thread does not preempt the one holding the GIL, which "
         "saves most context switches) or normal (SCHED_OTHER)",
         PIPE_SCHED_POLICIES,
+    ),
+    Flag(
+        "relay",
+        "choice",
+        "auto",
+        "How connections copy bytes: native (the C extension: one blocking splice loop per "
+        "connection with the GIL released), python (the pure-Python poll loop) or auto "
+        "(native when the extension loads, else python); native exits 2 when it cannot load",
+        RELAYS,
+    ),
+    Flag(
+        "dial-hedge-delay",
+        "duration",
+        "250ms",
+        "When a dial to an upstream has not connected within this delay, dial a second "
+        "pickable upstream too and keep the first to connect (the slower dial still runs to "
+        "its end and counts); 0 turns hedging off",
+        checks=(NOT_NEGATIVE,),
     ),
     Flag(
         "handover-socket",
@@ -320,6 +339,8 @@ class Config:
     kubeconfig: str = ""
     max_connections: int = 4096
     pipe_sched: str = "batch"
+    relay: str = "auto"
+    dial_hedge_delay: float = 0.25
     handover_socket: str = ""
     shutdown_drain_timeout: float = 0.0
     state_file: str = ""

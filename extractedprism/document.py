@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from extractedprism.discovery import DiscoveryView
 
 if TYPE_CHECKING:
-    from extractedprism.registry import Snapshot, UpstreamView
+    from extractedprism.snapshot import Snapshot, UpstreamView
 
 
 def rfc3339(wall: float | None) -> str | None:
@@ -58,16 +58,13 @@ class _Clock:
         return None if mono is None else rfc3339(mono + self._offset)
 
 
-def upstream_entry(u: UpstreamView, wall: _Clock, sources: list[str] | None = None
-                   ) -> dict[str, Any]:
+def upstream_entry(u: UpstreamView, wall: _Clock) -> dict[str, Any]:
     admin = None
     if u.admin is not None:
         admin = {"action": u.admin.action, "uid": u.admin.uid, "at": wall(u.admin.at)}
     return {
         "address": u.address,
-        # Views carry their providers once discovery tracks them per upstream (issue 14);
-        # until then the App says which provider lists the address.
-        "source": list(getattr(u, "sources", ()) or sources or []),
+        "source": list(u.sources),
         "state": u.state,
         "since": wall(u.since),
         "healthy": u.healthy,
@@ -98,10 +95,8 @@ def discovery_entry(d: DiscoveryView | None) -> dict[str, Any]:
             "last_error": d.last_error or None}
 
 
-def upstreams_document(snap: Snapshot, info: ProcessInfo,
-                       sources: dict[str, list[str]] | None = None) -> dict[str, Any]:
-    """The whole ``/upstreams`` body. ``sources``: provider names per address, for
-    views that do not carry their own."""
+def upstreams_document(snap: Snapshot, info: ProcessInfo) -> dict[str, Any]:
+    """The whole ``/upstreams`` body."""
     wall = _Clock(snap)
     return {
         "version": info.version,
@@ -111,6 +106,5 @@ def upstreams_document(snap: Snapshot, info: ProcessInfo,
         "connections_active": snap.connections_active,
         "max_connections": snap.max_connections,
         "discovery": discovery_entry(info.discovery),
-        "upstreams": [upstream_entry(u, wall, (sources or {}).get(u.address))
-                      for u in snap.upstreams],
+        "upstreams": [upstream_entry(u, wall) for u in snap.upstreams],
     }

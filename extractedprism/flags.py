@@ -90,8 +90,6 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"{text!r} is not a boolean (use true/false, 1/0, yes/no)")
 
 
-
-
 # --- checks: one value, one rule ----------------------------------------------
 
 
@@ -155,10 +153,13 @@ KINDS: dict[str, Callable[[Flag, str], object]] = {
 }
 
 
+# --- flags and rules ------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Flag:
+    """One row of the flag table: option, EP_ variable, default, help and checks."""
+
     name: str  # without leading dashes
     kind: str  # a key of KINDS
     default: str | None
@@ -190,7 +191,6 @@ class Flag:
     def rules(self) -> tuple[str, ...]:
         """The checks in words, for --help and docs."""
         return tuple(c.text for c in self.checks)
-
 
 
 # ``Rule.message(values, show)``: ``values`` holds every converted value by dest,

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 
 from extractedprism.endpoints import is_ip
+from extractedprism.threads import join_until
 
 log = logging.getLogger(__name__)
 
@@ -204,12 +205,7 @@ class ConnectionLoop:
             self._thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             workers = list(self._workers)
-        for t in workers:
-            t.join(max(0.0, deadline - time.monotonic()))
-        threads = [t for t in [self._thread, *workers] if t is not None and t.is_alive()]
-        for t in threads:
-            log.warning("thread outlived shutdown deadline thread=%s", t.name)
-        return not threads
+        return join_until([self._thread, *workers], deadline)
 
     # -- the loop thread ------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 Owns the smoothed connect time (EWMA) of every upstream that has had a successful
 health check, and the grouping of those upstreams into latency tiers. It imports no
 socket or threading code and has no clock: the registry feeds it samples under its
-lock, and selection reads :meth:`LatencyTiers.tiers` from the registry's snapshot. It
+lock, and reads :meth:`LatencyTiers.tier` for each pick and snapshot under it. It
 is therefore not thread-safe on its own.
 
 Smoothing (spec, "Latency-aware selection")
@@ -114,12 +114,6 @@ class LatencyTiers:
 
     def tiers(self) -> dict[str, int]:
         return dict(self._tier)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._avg
-
-    def __len__(self) -> int:
-        return len(self._avg)
 
     # --- the rebuild (see the module docstring, rules 1-4) ------------------
 

@@ -71,10 +71,22 @@ def level_name(levelno: int) -> str:
     return "fatal"
 
 
+_second_cache: tuple[int, str, str] = (-1, "", "")  # second, date and time, offset
+
+
 def rfc3339(created: float) -> str:
-    """``2026-12-01T18:25:55.148+00:00``: local time with its offset, milliseconds."""
-    stamp = datetime.datetime.fromtimestamp(created).astimezone()
-    return stamp.isoformat(timespec="milliseconds")
+    """``2026-12-01T18:25:55.148+00:00``: local time with its offset, milliseconds.
+
+    The date, time and offset are worked out once per second (records come in bursts);
+    the cache is one tuple, replaced whole, so threads never see half of an update.
+    """
+    global _second_cache
+    second, ms = divmod(int(created * 1000), 1000)
+    cached = _second_cache
+    if cached[0] != second:
+        text = datetime.datetime.fromtimestamp(second).astimezone().isoformat()
+        cached = _second_cache = (second, text[:19], text[19:])
+    return f"{cached[1]}.{ms:03d}{cached[2]}"
 
 
 def quote(text: str) -> str:
@@ -89,6 +101,7 @@ def _escape(match: re.Match[str]) -> str:
     return _NAMED_ESCAPES.get(char) or f"\\u{ord(char):04x}"
 
 
+@functools.lru_cache(maxsize=1024)
 def _key(text: str) -> str:
     """Keys never need quoting: anything outside [A-Za-z0-9_.-] becomes ``_``."""
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", text) or "_"
@@ -140,8 +153,12 @@ def _parse_template(template: str, with_args: bool) -> tuple[tuple[str, str, int
 
 def _format_value(template: str, args: tuple[Any, ...]) -> Any:
     """A field's value template with its arguments; a lone ``%s``/``%d`` keeps the type."""
-    if template in ("%s", "%d", "%r", "%i") and isinstance(args[0], (bool, int, float)):
-        return args[0]
+    if template in ("%s", "%d", "%r", "%i"):
+        arg = args[0]
+        if isinstance(arg, (bool, int, float)):
+            return arg
+        if isinstance(arg, str) and template in ("%s", "%r"):
+            return arg
     it = iter(args)
 
     def one(m: re.Match[str]) -> str:

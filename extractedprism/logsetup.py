@@ -31,7 +31,9 @@ import atexit
 import io
 import logging
 import logging.handlers
+import os
 import queue
+import select
 import signal
 import sys
 import threading
@@ -140,13 +142,63 @@ class _Writer:
         return self.handler.format(record)
 
     def _write(self, batch: list[str]) -> None:
-        if not batch:
-            return
+        if batch:
+            write_out(self.stream, "\n".join(batch) + "\n", None)
+
+
+def _fileno(stream: TextIO) -> int | None:
+    try:
+        return stream.fileno()
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is an OSError
+        return None
+
+
+def write_out(stream: TextIO, text: str, timeout: float | None) -> bool:
+    """Write ``text``; False when it was (partly) dropped.
+
+    A real file goes through its descriptor with ``os.write``: a writer blocked on a
+    full pipe then holds no lock of Python's buffered I/O, which the interpreter's exit
+    would otherwise wait for (or die on, with daemon threads). With ``timeout`` it waits
+    at most that long for room (pipes take PIPE_BUF-sized writes atomically once
+    writable), and drops the rest.
+    """
+    fd = _fileno(stream)
+    try:
+        if fd is None:
+            stream.write(text)
+            stream.flush()
+            return True
+        view = memoryview(text.encode("utf-8", "replace"))
+        while view:
+            if timeout is not None and not select.select([], [fd], [], timeout)[1]:
+                return False
+            try:
+                n = os.write(fd, view[:4096] if timeout is not None else view)
+            except BlockingIOError:  # a non-blocking stderr (some runtimes hand one over)
+                if not select.select([], [fd], [], 1.0 if timeout is None else timeout)[1] \
+                        and timeout is not None:
+                    return False
+                continue
+            view = view[n:]
+        return True
+    except (OSError, ValueError):
+        return False  # stderr closed: nowhere to say so
+
+
+class _LastWords(logging.Handler):
+    """After shutdown_logging: formatted lines written at once, never waiting more than
+    a moment for a full stderr (a late daemon thread must not hang the exit)."""
+
+    def __init__(self, stream: TextIO, formatter: logging.Formatter) -> None:
+        super().__init__()
+        self.stream = stream
+        self.setFormatter(formatter)
+
+    def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.stream.write("\n".join(batch) + "\n")
-            self.stream.flush()
-        except (OSError, ValueError):
-            pass  # stderr closed: nowhere to say so
+            write_out(self.stream, self.format(record) + "\n", 0.2)
+        except Exception:
+            pass  # nothing is left to report it to
 
 
 class _StderrLines(io.TextIOBase):
@@ -166,7 +218,8 @@ class _StderrLines(io.TextIOBase):
     def write(self, text: str) -> int:
         local = self._local
         if getattr(local, "busy", False):  # logging reporting its own failure
-            return self._real.write(text)
+            write_out(self._real, text, 0.2)
+            return len(text)
         buf = getattr(local, "buf", "") + text
         *lines, local.buf = buf.split("\n")
         local.busy = True
@@ -262,19 +315,19 @@ def dropped_total() -> int:
     return handler.dropped_total if handler is not None else 0
 
 
-def shutdown_logging(timeout: float = 2.0) -> None:
-    """Write out the queue (up to ``timeout``), then log synchronously from here on, so
-    a daemon thread's late line is still formatted."""
+def shutdown_logging(timeout: float = 1.0) -> None:
+    """Write out the queue (up to ``timeout``: the exit must stay within the shutdown
+    deadline even when stderr is stalled), then write directly from here on, so a daemon
+    thread's late line is still formatted."""
     writer: _Writer | None = _state.pop("writer", None)
     _state.pop("handler", None)
     if writer is None:
         return
     writer.handler.lines.put(_STOP)
     writer.thread.join(timeout)
-    sync = logging.StreamHandler(_state.get("captured") or writer.stream)
-    sync.setFormatter(writer.handler.formatter)
-    root = logging.getLogger()
-    root.handlers[:] = [sync]
+    last = _LastWords(_state.get("captured") or writer.stream,
+                      writer.handler.formatter)  # type: ignore[arg-type]
+    logging.getLogger().handlers[:] = [last]
 
 
 atexit.register(shutdown_logging)

@@ -61,8 +61,9 @@ PerUpstream = Callable[["Snapshot", "UpstreamView"], "float | None"]
 GAUGES: tuple[tuple[str, str, Callable[[Snapshot], float]], ...] = (
     ("upstreams_active", "Upstreams eligible for new connections (healthy, not draining)",
      lambda s: sum(1 for u in s.upstreams if u.pickable)),
-    ("upstreams_total", "Total known upstreams, including unhealthy and draining",
-     lambda s: len(s.upstreams)),
+    ("upstreams_total", "Total known upstreams, including unhealthy and draining (not the "
+     "static endpoints --static-endpoints=fallback keeps as a last resort)",
+     lambda s: sum(1 for u in s.upstreams if not u.fallback)),
     ("connections_active", "TCP connections currently passing through the proxy",
      lambda s: s.connections_active),
     ("connections_max", "Maximum concurrent connections (--max-connections)",

@@ -1,22 +1,28 @@
 """Pipe: the two-way byte copy for one client/upstream pair, run by one pipe thread.
 
 # design
-One thread serves both directions of a connection: both sockets are non-blocking and
-the thread sleeps in ``poll`` (GIL released) until either side can move. Compared with
-a thread per direction this halves the threads (memory, GIL hand-offs) and cannot
-deadlock when both peers write at once, because no direction ever blocks the other.
+Two relays, chosen once per process by ``--relay`` (:func:`resolve_relay`):
 
-Bytes move with ``os.splice`` through a kernel pipe where available (no copy through
-Python objects), else with ``recv_into``/``send`` on a small reused buffer. A splice
-failure that is not about the peer (EINVAL on an odd socket type, no spare fds for the
-pipe) switches the connection to the buffer path; the bytes already in the kernel
-pipe are flushed first, so nothing is lost or reordered.
+* native (``_relay.c``): one blocking C call for the life of the connection, with the
+  GIL released throughout, like a blocking ``socket.sendfile``. It polls both sockets and
+  splices socket -> the thread's kernel pipe -> socket per direction. With many busy
+  connections no readiness event needs its thread to win the GIL back, which is what
+  bounded the Python loop (docs/performance.md).
+* python (the fallback where the extension cannot load, and the buffer copy for a
+  connection that got no kernel pipe): both sockets non-blocking, the thread sleeps in
+  ``poll`` and moves bytes with ``os.splice`` through the kernel pipes, or with
+  ``recv_into``/``send`` on a small reused buffer. A splice failure that is not about the
+  peer (EINVAL on an odd socket type) switches the connection to the buffer path; the
+  bytes already in the kernel pipe are flushed first, so nothing is lost or reordered.
 
-Half-close: EOF from one side is passed on with ``shutdown(SHUT_WR)`` once everything
-read before it was written; the other direction keeps flowing. A reset or error on
-either side ends both (the surviving peer gets a reset too, via SO_LINGER 0).
-:meth:`Pipe.close` may be called from any thread (drain, readiness, shutdown): it shuts
-both sockets down, which wakes the poll; only the pipe thread closes file descriptors.
+One thread serves both directions: half the threads of one per direction, and no
+deadlock when both peers write at once. Half-close: EOF from one side is passed on with
+``shutdown(SHUT_WR)`` once everything read before it was written; the other direction
+keeps flowing. A reset or error on either side ends both (the surviving peer gets a reset
+too, via SO_LINGER 0). :meth:`Pipe.close` may be called from any thread (drain,
+readiness, shutdown): it shuts both sockets down, which wakes either relay; only the pipe
+thread closes file descriptors. A connection that ends with bytes still in a kernel
+pipe drops the thread's pipes, or the thread's next connection would receive them.
 """
 
 from __future__ import annotations
@@ -29,16 +35,52 @@ import socket
 import struct
 import threading
 import time
-
-from extractedprism import gilcall
+from array import array
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
 BUFFER_SIZE = 32 * 1024  # buffer path only; its pages count against RSS per thread
 HAVE_SPLICE = hasattr(os, "splice") and hasattr(os, "pipe2")
-# Pipe mode chosen by the operator for debugging ("splice" | "buffer").
-MODE = os.environ.get("EP_PIPE_MODE", "splice" if HAVE_SPLICE else "buffer")
+_SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 0) | getattr(os, "SPLICE_F_NONBLOCK", 0)
+
+RELAYS = ("auto", "native", "python")
+
+# The native relay (extractedprism/_relay.c), optional: built by `pip install .` where a
+# compiler is available. Why it could not be loaded is kept for --relay=native's error.
+try:
+    from extractedprism import _relay  # type: ignore[attr-defined]
+    _native: Callable[..., tuple[int, int, int]] | None = _relay.relay
+    _close_pair: Callable[[int, int, bool], None] = _relay.close_pair
+    NATIVE_ERROR = ""
+except ImportError as _exc:
+    _native = None
+    NATIVE_ERROR = str(_exc) or type(_exc).__name__
+if _native is not None and not HAVE_SPLICE:
+    _native, NATIVE_ERROR = None, "this platform has no splice()"
+
+
+def native_first_answer() -> Callable[[int, int, int, bytes | None], tuple[int, bytes]] | None:
+    """The extension's silent-upstream check (Proxy._first_answer), if it is loaded."""
+    return None if _native is None else _relay.first_answer  # type: ignore[no-any-return]
+
+
+class RelayUnavailable(RuntimeError):
+    """--relay=native, but the extension cannot be loaded (the message says why)."""
+
+
+def resolve_relay(wanted: str) -> str:
+    """``auto``/``native``/``python`` -> the relay this process will use (native|python)."""
+    if wanted == "python":
+        return "python"
+    if _native is not None:
+        return "native"
+    if wanted == "native":
+        raise RelayUnavailable(f"the native relay (extractedprism._relay) cannot be loaded: "
+                               f"{NATIVE_ERROR}")
+    return "python"
+
 
 _EXPECTED = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT,
              errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EBADF)
@@ -47,28 +89,12 @@ _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
 _LINGER_RST = struct.pack("ii", 1, 0)
 
 _local = threading.local()
+_EOF_SIDE = {1: "client", 2: "upstream"}  # the native relay's first_eof
 
 
-# The hot-path syscalls. By default they are the stdlib's, which release the GIL around
-# each call. EP_SYSCALLS=gil (keep the GIL for every non-blocking call, through gilcall)
-# and EP_SYSCALLS=in (keep it only for the read into the kernel pipe) are for
-# experiments: both measured slower with 64 keep-alive connections (more forced GIL
-# switches: 5-7 context switches per request against 3) and no faster for new
-# connections (docs/performance.md).
-_POLICY = os.environ.get("EP_SYSCALLS", "std") if gilcall.AVAILABLE else "std"
-# Both splice flavours raise BlockingIOError when they would block.
-if _POLICY == "std":
-    _splice_in = _splice_out = gilcall.os_splice
-    _shutdown_write = gilcall.std_shutdown_write
-    _close = gilcall.std_close
-else:
-    _splice_in = gilcall.splice
-    _splice_out = gilcall.splice if _POLICY == "gil" else gilcall.os_splice
-    _shutdown_write = gilcall.shutdown_write
-    _close = gilcall.close
-# Once per connection, for the accepted socket (dialed ones are non-blocking from birth).
-_set_nonblocking = (gilcall.set_nonblocking if gilcall.AVAILABLE
-                    else gilcall.std_set_nonblocking)
+def _splice(src: int, dst: int, count: int) -> int:
+    """Non-blocking splice; raises BlockingIOError when it would block."""
+    return os.splice(src, dst, count, flags=_SPLICE_FLAGS)
 
 
 def _thread_buffer() -> bytearray:
@@ -91,9 +117,14 @@ def _thread_pipes() -> list[tuple[int, int]] | None:
     """
     pipes = getattr(_local, "pipes", None)
     if pipes is None:
+        pipes = []
         try:
-            pipes = [os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC) for _ in range(2)]
+            for _ in range(2):
+                pipes.append(os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC))
         except OSError as exc:  # EMFILE/ENFILE: degrade to the buffer path
+            for r, w in pipes:  # the first one, if only the second failed
+                os.close(r)
+                os.close(w)
             log.debug("no kernel pipe for splice reason=%r; using buffer copy", exc.strerror)
             return None
         _local.pipes = pipes
@@ -143,23 +174,42 @@ class _Half:
 class Pipe:
     """Copies bytes both ways between ``client`` and ``upstream`` until both are done."""
 
+    __slots__ = ("_closed", "_counts", "_done", "_lock", "_mode", "_relay", "client",
+                 "client_sock", "end_reason", "ended_by", "started", "upstream",
+                 "upstream_sock")
+
     def __init__(self, client: socket.socket, upstream: socket.socket, *, client_addr: str,
-                 upstream_addr: str, mode: str | None = None,
-                 upstream_nonblocking: bool = False) -> None:
+                 upstream_addr: str, relay: str = "python", mode: str | None = None) -> None:
         self.client_sock = client
         self.upstream_sock = upstream
         self.client = client_addr
         self.upstream = upstream_addr
         self.started = time.time()
-        self.bytes_up = 0  # client -> upstream
-        self.bytes_down = 0  # upstream -> client
+        # Live byte counts (client->upstream, upstream->client): the native relay writes
+        # them while it runs, without the GIL, so readers see live bytes either way.
+        self._counts = array("Q", (0, 0))
         self._closed = False
         # Who ended the connection and why (the debug "connection closed" line): the
         # first EOF's side, "proxy" for close(), or "error".
         self.ended_by = ""
         self.end_reason = ""
-        self._mode = mode or MODE
-        self._upstream_nonblocking = upstream_nonblocking
+        # close() from another thread and the pipe thread's own close: once _done is set
+        # (under _lock) the sockets are the pipe thread's to close, and close() does
+        # nothing, so it never shuts down a descriptor number already reused.
+        self._lock = threading.Lock()
+        self._done = False
+        self._relay = relay  # "native" | "python" (see resolve_relay)
+        # The Python loop's copy: "splice" through kernel pipes or "buffer" (tests force
+        # "buffer"; it is also the fallback where there is no splice or no spare fd).
+        self._mode = mode or ("splice" if HAVE_SPLICE else "buffer")
+
+    @property
+    def bytes_up(self) -> int:
+        return self._counts[0]
+
+    @property
+    def bytes_down(self) -> int:
+        return self._counts[1]
 
     # -- called from other threads -------------------------------------------------
 
@@ -168,25 +218,68 @@ class Pipe:
         self._closed = True
         if not self.ended_by:
             self.ended_by, self.end_reason = "proxy", "closed by extractedprism"
-        for sock in (self.client_sock, self.upstream_sock):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        with self._lock:
+            if self._done:
+                return
+            for sock in (self.client_sock, self.upstream_sock):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     # -- the pipe thread ------------------------------------------------------------
 
     def run(self) -> None:
-        """Copy until both directions finish, an error occurs, or close() is called.
+        """Copy until both directions finish, an error occurs, or close() is called."""
+        if self._relay == "native" and self._mode == "splice":
+            pipes = _thread_pipes()
+            if pipes is not None:
+                self._run_native(pipes)
+                return
+            # No descriptor for a kernel pipe (EMFILE): this connection takes the Python
+            # loop's buffer copy, which needs none.
+        self._run_python()
+
+    def _run_native(self, pipes: list[tuple[int, int]]) -> None:
+        """One blocking call for the life of the connection, GIL released throughout."""
+        assert _native is not None
+        (up_r, up_w), (down_r, down_w) = pipes
+        c, u = self.client_sock, self.upstream_sock
+        err, left_up, left_down, first_eof = _native(
+            c.fileno(), u.fileno(), (up_r, up_w, down_r, down_w), self._counts)
+        if first_eof and not self.ended_by:
+            self.ended_by, self.end_reason = _EOF_SIDE[first_eof], "eof"
+        if left_up or left_down:
+            # Bytes left in the thread's kernel pipes would leak into the next connection.
+            _drop_thread_pipes()
+        if err:
+            self._log_failure(OSError(err, os.strerror(err)))
+        with self._lock:
+            self._done = True
+            cfd, ufd = c.detach(), u.detach()
+        # Both closes in one GIL-holding call: two fewer GIL hand-offs per connection.
+        _close_pair(cfd, ufd, bool(err) or self._closed)
+
+    def _log_failure(self, exc: OSError) -> None:
+        if not self.ended_by:
+            self.ended_by, self.end_reason = "error", exc.strerror or str(exc)
+        if exc.errno in _EXPECTED:
+            log.debug("connection ended client=%s upstream=%s reason=%r", self.client,
+                      self.upstream, exc.strerror)
+        else:
+            log.warning("connection failed client=%s upstream=%s error=%r", self.client,
+                        self.upstream, exc)
+
+    def _run_python(self) -> None:
+        """The fallback: non-blocking sockets and poll, splice or buffer copy.
 
         Each readiness event costs one read and one write (and a GIL round trip each):
         after a short read the loop goes back to poll instead of reading until EAGAIN,
         because with many busy pipe threads every extra syscall is another GIL hand-off.
         """
         c, u = self.client_sock, self.upstream_sock
-        _set_nonblocking(c)
-        if not self._upstream_nonblocking:
-            _set_nonblocking(u)
+        c.setblocking(False)
+        u.setblocking(False)
         up, down = _Half(c, u, True), _Half(u, c, False)
         if self._mode == "splice":
             pipes = _thread_pipes()
@@ -239,14 +332,7 @@ class Pipe:
                         masks[fd] = want
         except OSError as exc:
             reset = True
-            if not self.ended_by:
-                self.ended_by, self.end_reason = "error", exc.strerror or str(exc)
-            if exc.errno in _EXPECTED:
-                log.debug("connection ended client=%s upstream=%s reason=%r", self.client,
-                          self.upstream, exc.strerror)
-            else:
-                log.warning("connection failed client=%s upstream=%s error=%r", self.client,
-                            self.upstream, exc)
+            self._log_failure(exc)
         finally:
             self._finish(up, down, reset or self._closed)
 
@@ -259,7 +345,7 @@ class Pipe:
         while True:
             if h.pipe_w >= 0:
                 try:
-                    n = _splice_in(h.src_fd, h.pipe_w, CHUNK)
+                    n = _splice(h.src_fd, h.pipe_w, CHUNK)
                 except BlockingIOError:
                     return False
                 except OSError as exc:
@@ -276,7 +362,7 @@ class Pipe:
                     # connection on this thread would receive them).
                     h.pending = n
                     try:
-                        h.pending = n - _splice_out(h.pipe_r, h.dst_fd, n)
+                        h.pending = n - _splice(h.pipe_r, h.dst_fd, n)
                     except BlockingIOError:
                         pass
                 full = n == CHUNK
@@ -300,10 +386,7 @@ class Pipe:
                     self.ended_by, self.end_reason = ("client" if h.up else "upstream"), "eof"
                 self._pass_eof(h)
                 return True
-            if h.up:
-                self.bytes_up += n
-            else:
-                self.bytes_down += n
+            self._counts[0 if h.up else 1] += n
             if (h.pending and not self._flush(h)) or h.tail:
                 return True  # dst is full: wait for POLLOUT
             if not full:
@@ -323,7 +406,7 @@ class Pipe:
         """Write pending bytes; True when all are out."""
         while h.pending:
             try:
-                h.pending -= _splice_out(h.pipe_r, h.dst_fd, h.pending)
+                h.pending -= _splice(h.pipe_r, h.dst_fd, h.pending)
             except BlockingIOError:
                 return False
         while h.tail:
@@ -339,13 +422,21 @@ class Pipe:
         if h.waiting or h.shut:
             return  # after the flush
         try:
-            _shutdown_write(h.dst)
+            h.dst.shutdown(socket.SHUT_WR)
         except OSError as exc:
             if exc.errno != errno.ENOTCONN:
                 raise
         h.shut = True
 
     def _finish(self, up: _Half, down: _Half, abort: bool) -> None:
+        if up.pending or down.pending:
+            # Bytes left in the thread's kernel pipes would leak into the next connection.
+            _drop_thread_pipes()
+        self._close_both(abort)
+
+    def _close_both(self, abort: bool) -> None:
+        with self._lock:
+            self._done = True
         if abort:
             # Propagate the reset so neither peer waits on a half-dead connection.
             for sock in (self.client_sock, self.upstream_sock):
@@ -353,8 +444,5 @@ class Pipe:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
                 except OSError:
                     pass
-        if up.pending or down.pending:
-            # Bytes left in the thread's kernel pipes would leak into the next connection.
-            _drop_thread_pipes()
-        _close(self.client_sock)
-        _close(self.upstream_sock)
+        self.client_sock.close()
+        self.upstream_sock.close()

@@ -46,28 +46,35 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from extractedprism import connlog, sched
-from extractedprism.endpoints import Endpoint, is_ip
-from extractedprism.pipe import Pipe, release_thread_resources
+from extractedprism.dialer import FD_ERRNOS, Dialer
+from extractedprism.endpoints import is_ip
+from extractedprism.pipe import (
+    Pipe,
+    native_first_answer,
+    release_thread_resources,
+    resolve_relay,
+)
 from extractedprism.registry import Registry
-from extractedprism.sockopts import CONNECTION_SOCKOPTS, apply_sockopts, describe_error, dial
+from extractedprism.sockopts import CONNECTION_SOCKOPTS, apply_sockopts
 
 log = logging.getLogger(__name__)
 
 PRESTART_THREADS = 64  # a node's usual clients (kubelet, proxies, CNI, daemons) without a spawn
-PIPE_IDLE_EXIT_S = 60.0  # pipe threads beyond PRESTART_THREADS idle this long exit
+PIPE_IDLE_EXIT_S = 10.0  # pipe threads beyond PRESTART_THREADS idle this long exit
+PIPE_IDLE_RELEASE_S = 3.0  # a parked thread idle this long closes its kernel pipes
 PIPE_THREAD_STACK = 256 * 1024  # copy loops are shallow; the default 8 MiB is address space
 # The client's first bytes held for a possible re-dial: a TLS ClientHello is one record
 # (at most 16 KiB); anything past it stays in the socket for the pipe.
 FIRST_BYTES_MAX = 16 * 1024
-_FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_FD_ERRNOS = FD_ERRNOS
 # How often a blocked accept() returns to look at the stop flags. Idle cost: one
 # wake-up per interval; no cost per connection.
 ACCEPT_WAKE_S = 0.25
 _RCVTIMEO = struct.pack("ll", 0, int(ACCEPT_WAKE_S * 1_000_000))
 # Failures that repeat once per client during an outage: first line, then summaries.
-_dial_failed = connlog.RateLimited(log, logging.INFO, "dial failed")
 _no_upstream = connlog.RateLimited(log, logging.INFO, "no upstream available; closing client")
 
 
@@ -111,6 +118,17 @@ def open_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True)
+class PoolView:
+    """The pipe-thread pool at one moment, and its high-water marks since start."""
+
+    threads: int
+    idle: int
+    live: int  # connections accepted and not yet finished
+    peak_threads: int
+    peak_live: int
+
+
 def set_accept_wake(sock: socket.socket) -> None:
     """Make a blocking accept() on ``sock`` return EAGAIN every ``ACCEPT_WAKE_S``.
 
@@ -136,16 +154,23 @@ class Proxy:
 
     def __init__(self, registry: Registry, *, bind_address: str, bind_port: int,
                  dial_timeout: float, max_connections: int, pipe_sched: str = "batch",
+                 relay: str = "auto", dial_hedge_delay: float = 0.0,
                  on_accept_loop: Callable[[], None] | None = None) -> None:
         self._registry = registry
         self._bind = (bind_address, bind_port)
         self._dial_timeout = dial_timeout
         self._max = max_connections
         self._sched = pipe_sched
+        # The byte copy every connection uses, "native" or "python", fixed at start (raises
+        # RelayUnavailable for relay="native" without the extension).
+        self.relay = resolve_relay(relay)
+        self._native_first = native_first_answer() if self.relay == "native" else None
         self._pool_lock = threading.Lock()
         # Live connections (slots taken), under _pool_lock; the acceptor waits on
         # _slot_freed only while saturated, so the common path is one C-level lock.
         self._live = 0
+        self._peak_live = 0
+        self._peak_threads = 0
         self._saturated = False
         self._slot_freed = threading.Event()
         # Whether accepted sockets still need the connection options set one by one
@@ -154,6 +179,9 @@ class Proxy:
         self._workers: list[_Worker] = []  # every pipe thread, under _pool_lock
         self._parked: list[_Worker] = []  # idle ones, most recently parked last
         self._stopping = threading.Event()
+        self._dialer = Dialer(registry, dial_timeout=dial_timeout,
+                              hedge_delay=dial_hedge_delay, stopping=self._stopping,
+                              native=self.relay == "native")
         # The acceptor stops when _accept_stop is set: at shutdown, at the start of a
         # shutdown drain (live connections keep being served), or when a successor
         # accepts on the listener instead (_handed_over: the shared socket is then
@@ -231,6 +259,11 @@ class Proxy:
                                           daemon=True)
         self._acceptor.start()
 
+    def pool(self) -> PoolView:
+        with self._pool_lock:
+            return PoolView(len(self._workers), len(self._parked), self._live,
+                            self._peak_threads, self._peak_live)
+
     def acceptor_alive(self) -> bool:
         return self._acceptor is not None and self._acceptor.is_alive()
 
@@ -278,6 +311,7 @@ class Proxy:
             w.item = None
             w.wake.release()
         ok = True
+        self._dialer.shutdown()
         for w in workers:
             t = w.thread
             assert t is not None
@@ -354,6 +388,8 @@ class Proxy:
                           "setting them per connection")
         with self._pool_lock:
             self._live += 1
+            if self._live > self._peak_live:
+                self._peak_live = self._live
             w = self._parked.pop() if self._parked else None
         if w is not None:
             w.item = (sock, client)
@@ -377,6 +413,8 @@ class Proxy:
             w.thread = threading.Thread(name=f"pipe-idle-{self._seq}",
                                         target=self._worker_loop, args=(w,), daemon=True)
             self._workers.append(w)
+            if len(self._workers) > self._peak_threads:
+                self._peak_threads = len(self._workers)
         try:
             w.thread.start()
         except RuntimeError:
@@ -408,32 +446,45 @@ class Proxy:
                         sock.close()
                     finally:
                         me.name = idle_name
-                        self._release_slot()
-                if not self._park(w):
+                if not self._park(w, served=item is not None):
                     return
         finally:
             release_thread_resources()
 
-    def _park(self, w: _Worker) -> bool:
-        """Wait for the next connection; False when this thread should exit.
+    def _park(self, w: _Worker, served: bool) -> bool:
+        """Free the connection's slot, wait for the next connection; False when this
+        thread should exit.
 
-        After a burst, idle threads beyond the pre-started ones leave the pool (the
-        LIFO hand-off keeps them the coldest), giving back the threads and fds a burst
-        created.
+        The slot is freed and the thread parked in one step: a thread never counts as
+        neither busy nor idle, so the acceptor starts a thread only when every thread
+        serves a live connection, and a burst never starts more threads than there are
+        connections alive at once. After a burst, a parked thread gives its kernel pipes
+        back after PIPE_IDLE_RELEASE_S, and threads beyond the pre-started ones leave the
+        pool after idle_exit_s (the LIFO hand-off keeps them the coldest), so threads
+        and descriptors return to the idle baseline.
         """
         with self._pool_lock:
+            if served:
+                self._live -= 1
+                if self._saturated:
+                    self._slot_freed.set()
             if self._stopping.is_set():
                 self._workers.remove(w)
                 return False
             self._parked.append(w)
-        while not w.wake.acquire(timeout=self.idle_exit_s):
-            with self._pool_lock:
-                if w in self._parked and len(self._workers) > self._prestart:
-                    self._parked.remove(w)
-                    self._workers.remove(w)
-                    return False
-            # Still parked (pre-started), or the acceptor just picked this thread and
-            # is about to release wake: wait again.
+        if not w.wake.acquire(timeout=min(PIPE_IDLE_RELEASE_S, self.idle_exit_s)):
+            # Idle: the next connection makes fresh pipes (a few microseconds), so a
+            # parked thread holds no descriptors.
+            release_thread_resources()
+            rest = max(0.05, self.idle_exit_s - PIPE_IDLE_RELEASE_S)
+            while not w.wake.acquire(timeout=rest):
+                with self._pool_lock:
+                    if w in self._parked and len(self._workers) > self._prestart:
+                        self._parked.remove(w)
+                        self._workers.remove(w)
+                        return False
+                # Still parked (pre-started), or the acceptor just picked this thread
+                # and is about to release wake: wait again.
         if w.item is None:  # shutdown
             with self._pool_lock:
                 if w in self._workers:
@@ -454,44 +505,36 @@ class Proxy:
         debug = log.isEnabledFor(logging.DEBUG)  # per connection, never per byte
         while True:
             t0 = time.monotonic() if debug else 0.0
-            ep = reg.pick(exclude=tried)
-            if ep is None:
-                upstream, addr = self._panic_dial(tried)
-                if upstream is None:
-                    _no_upstream(client=client)
-                    if not self._stopping.is_set():
-                        reg.record_no_upstream()  # connection_errors_total{upstream="none"}
-                    client_sock.close()
-                    return
-                if first:  # a silent upstream had them; nothing else left to judge by
-                    self._first_answer(client_sock, upstream, first)
-            else:
-                addr = str(ep)
-                tried.add(addr)
-                upstream = self._dial(ep, self._dial_timeout)
-                if upstream is None:
-                    reg.abandon(addr)
-                    continue
-                answered, first = self._first_answer(client_sock, upstream, first)
-                if not answered and reg.any_pickable(exclude=tried):
-                    # Connected, but silent: a frozen process whose kernel still
-                    # completes handshakes. Nothing went back to the client yet, so its
-                    # first bytes can go to the next upstream instead.
-                    upstream.close()
-                    reg.abandon(addr)
-                    reason = f"no answer within {self._dial_timeout:g}s of the client's first bytes"
-                    reg.record_dial(addr, False, reason, count_error=not self._stopping.is_set())
-                    log.info("dial failed upstream=%s reason=%r", addr, reason)
-                    continue
-            assert addr is not None
-            pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
-                        upstream_nonblocking=True)  # dial() makes it so
-            if not reg.attach(addr, pipe):
+            upstream, res = self._dialer.connect(tried)
+            if upstream is None or res is None:
+                _no_upstream(client=client)
+                if not self._stopping.is_set():
+                    reg.record_no_upstream()  # connection_errors_total{upstream="none"}
+                client_sock.close()
+                return
+            addr = res.address
+            with res:  # attach ends the reservation; anything raised before it too
+                if res.panic:
+                    if first:  # a silent upstream had them; nothing else left to judge by
+                        self._first_answer(client_sock, upstream, first)
+                else:
+                    answered, first = self._first_answer(client_sock, upstream, first)
+                    if not answered and reg.any_pickable(exclude=tried):
+                        # Connected, but silent: a frozen process whose kernel still
+                        # completes handshakes. Nothing went back to the client yet, so
+                        # its first bytes can go to the next upstream instead.
+                        upstream.close()
+                        self._dialer.failed(addr, f"no answer within {self._dial_timeout:g}s "
+                                            "of the client's first bytes")
+                        continue
+                pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
+                            relay=self.relay)
+                attached = reg.attach(res, pipe)
+            if not attached:
                 upstream.close()
                 if drain_retry and not reg.closing:
                     # The endpoint started draining while we dialed: one retry elsewhere.
                     drain_retry = False
-                    tried.add(addr)
                     if reg.any_pickable(exclude=tried):
                         continue
                 if not reg.closing:  # its upstream drained away, and no other was left
@@ -527,6 +570,11 @@ class Proxy:
         """
         timeout_ms = max(1, int(self._dial_timeout * 1000))
         cfd, ufd = client.fileno(), upstream.fileno()
+        if self._native_first is not None:
+            # The same steps in C with the GIL released once, instead of four releases
+            # (poll, recv, send, poll) on every new connection.
+            answered, first = self._native_first(cfd, ufd, timeout_ms, first)
+            return bool(answered), first
         if first is None:
             poller = select.poll()
             poller.register(cfd, select.POLLIN)
@@ -560,40 +608,3 @@ class Proxy:
         poller.register(ufd, select.POLLIN)
         left = deadline - time.monotonic()
         return bool(left > 0 and poller.poll(max(1, int(left * 1000)))), first
-
-    def _dial(self, ep: Endpoint, timeout: float, *, panic: bool = False
-              ) -> socket.socket | None:
-        addr = str(ep)
-        started = time.monotonic()
-        try:
-            sock = dial(ep, timeout)
-        except OSError as exc:
-            reason = describe_error(exc)
-            if exc.errno in _FD_ERRNOS:
-                # Out of descriptors here is not the upstream's fault: no streak, no count.
-                log.warning("dial failed locally upstream=%s reason=%r", addr, reason)
-                return None
-            shutting_down = self._stopping.is_set()
-            # The spec counts no errors "when no upstream was available": panic-mode
-            # attempts are exactly that case, and shutdown failures are not counted.
-            self._registry.record_dial(addr, False, reason,
-                                       count_error=not (shutting_down or panic),
-                                       duration=time.monotonic() - started)
-            _dial_failed(addr, upstream=addr, reason=reason)
-            return None
-        self._registry.record_dial(addr, True, duration=time.monotonic() - started)
-        return sock
-
-    def _panic_dial(self, tried: set[str]) -> tuple[socket.socket | None, str | None]:
-        """Nothing pickable: try every known upstream within one dial timeout overall."""
-        deadline = time.monotonic() + self._dial_timeout
-        for ep in self._registry.panic_order(exclude=tried):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._stopping.is_set():
-                break
-            addr = str(ep)
-            tried.add(addr)
-            sock = self._dial(ep, remaining, panic=True)
-            if sock is not None:
-                return sock, addr
-        return None, None

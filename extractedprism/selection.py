@@ -38,6 +38,7 @@ class Candidate:
     ready: bool  # readyz says ready (False when pending or unready); ignored unless readyz
     tier: int | None  # latency tier, None = no sample yet
     active: int  # live connections
+    fallback: bool = False  # --static-endpoints=fallback demoted it: panic mode only
     admin_drained: bool = False  # an operator's drain or close: no new connections
 
 

@@ -50,6 +50,9 @@ class UpstreamView:
     connection_errors: int = 0  # failed dials counted for connection_errors_total
     bytes_up: int = 0  # client -> upstream, finished and live connections
     bytes_down: int = 0  # upstream -> client
+    # The providers whose lists hold it, in provider order: "static", "kubernetes",
+    # "cache" (one or several).
+    sources: tuple[str, ...] = ()
     # The operator's view (issue 15); times are on the registry's monotonic clock,
     # Snapshot.taken_mono/taken_wall turn them into wall-clock time.
     state: str = "healthy"  # upstream.state_word
@@ -70,7 +73,7 @@ class UpstreamView:
     @classmethod
     def of(cls, address: str, s: UpstreamState, *, readyz: bool, tier: int | None,
            rtt: float | None, active: int, total: int, errors: int, bytes_up: int,
-           bytes_down: int, **more: object) -> UpstreamView:
+           bytes_down: int, sources: tuple[str, ...] = (), **more: object) -> UpstreamView:
         return cls(address=address, healthy=s.healthy, draining=s.draining, ready=s.ready,
                    readiness=s.readiness.value if readyz else "n/a",
                    probed_ready=s.probed_ready, tier=tier, rtt_seconds=rtt,
@@ -79,7 +82,12 @@ class UpstreamView:
                    connection_errors=errors, bytes_up=bytes_up, bytes_down=bytes_down,
                    last_error_source=s.last_error_source, failures=s.fail_streak,
                    ready_reason=s.ready_reason if readyz else "not probed (--health-check=tcp)",
-                   **more)  # type: ignore[arg-type]
+                   sources=sources, **more)  # type: ignore[arg-type]
+
+    @property
+    def fallback(self) -> bool:
+        """A static endpoint demoted by --static-endpoints=fallback (panic mode only)."""
+        return self.lifecycle == "fallback"
 
     @property
     def pickable(self) -> bool:
@@ -88,6 +96,8 @@ class UpstreamView:
     def as_json(self) -> dict[str, object]:
         return {
             "address": self.address,
+            "source": list(self.sources),
+            "state": self.state,
             "healthy": self.healthy,
             "draining": self.draining,
             "ready": self.ready if self.readiness != "n/a" else None,

@@ -16,7 +16,6 @@ import select
 import socket
 import time
 
-from extractedprism import gilcall
 from extractedprism.endpoints import Endpoint
 
 KEEPALIVE_IDLE_S = 30
@@ -25,6 +24,7 @@ KEEPALIVE_COUNT = 9  # Go's default probe count (Linux default too)
 USER_TIMEOUT_MS = 30_000
 
 SockOpt = tuple[int, int, int]
+_NONBLOCKING_STREAM = socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
 
 
 def _opts() -> list[SockOpt]:
@@ -45,6 +45,12 @@ def _opts() -> list[SockOpt]:
 
 # Client-side and upstream-side connections get the same treatment.
 CONNECTION_SOCKOPTS: list[SockOpt] = _opts()
+_OPTS = tuple(CONNECTION_SOCKOPTS)
+
+try:  # the native relay's GIL-holding connect (see begin_connect)
+    from extractedprism._relay import connect as _native_connect  # type: ignore[attr-defined]
+except ImportError:
+    _native_connect = None
 
 
 def apply_sockopts(sock: socket.socket, opts: list[SockOpt] = CONNECTION_SOCKOPTS) -> None:
@@ -56,30 +62,62 @@ def apply_sockopts(sock: socket.socket, opts: list[SockOpt] = CONNECTION_SOCKOPT
             pass
 
 
-def dial(endpoint: Endpoint, timeout: float) -> socket.socket:
-    """Connect to ``endpoint`` within ``timeout`` (name resolution included).
-
-    Returns a connected socket whose fd is non-blocking (see
-    gilcall.new_nonblocking_socket): the pipe wants it so, and a socket made
-    non-blocking from birth saves two GIL round trips per connection (settimeout and
-    setblocking each release the GIL) over connect-with-timeout.
-    """
-    deadline = time.monotonic() + timeout
-    if endpoint.is_hostname:
-        infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
-    else:
+def addresses(endpoint: Endpoint) -> list[tuple[int, tuple]]:  # type: ignore[type-arg]
+    """(family, sockaddr) to try for ``endpoint``, in the resolver's order."""
+    if not endpoint.is_hostname:
         # An IP literal needs no resolver round trip on every new connection.
         family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
-        infos = [(family, socket.SOCK_STREAM, 0, "", (endpoint.host, endpoint.port))]
+        return [(family, (endpoint.host, endpoint.port))]
+    infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
+    return [(family, addr) for family, _, _, _, addr in infos]
+
+
+def begin_connect(family: int, addr: tuple, native: bool = False  # type: ignore[type-arg]
+                  ) -> tuple[socket.socket | None, int]:
+    """A non-blocking socket with the connection options, its connect started.
+
+    Returns the socket and connect's errno: 0 (connected), EINPROGRESS (poll for
+    POLLOUT, then read SO_ERROR), or a failure (the socket is then None, or the caller
+    closes it). ``native``: socket, options and connect in one C call that keeps the GIL
+    (none of them blocks), instead of two GIL releases (socket() and connect()).
+    """
+    if native and _native_connect is not None and (len(addr) == 2 or not addr[3]):
+        try:
+            fd, err = _native_connect(family, addr[0], addr[1], _OPTS)
+        except ValueError:
+            pass  # not a plain numeric address: the stdlib takes it
+        else:
+            if fd < 0:
+                return None, err
+            return socket.socket(family, socket.SOCK_STREAM, 0, fd), err
+    sock = socket.socket(family, _NONBLOCKING_STREAM)
+    try:
+        apply_sockopts(sock)
+        return sock, sock.connect_ex(addr)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def dial(endpoint: Endpoint, timeout: float, native: bool = False) -> socket.socket:
+    """Connect to ``endpoint`` within ``timeout`` (name resolution included).
+
+    Returns a connected, non-blocking socket: the relay wants it so, and a socket made
+    non-blocking at birth (SOCK_NONBLOCK: the object's timeout is 0 from the start)
+    saves two GIL round trips per connection (settimeout and setblocking each release
+    the GIL) over connect-with-timeout.
+    """
+    deadline = time.monotonic() + timeout
     last: OSError | None = None
-    for family, _, _, _, addr in infos:
+    for family, addr in addresses(endpoint):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("timed out")
-        sock = gilcall.new_nonblocking_socket(family)
+        sock, err = begin_connect(family, addr, native)
+        if sock is None:
+            last = OSError(err, os.strerror(err))
+            continue
         try:
-            apply_sockopts(sock)
-            err = sock.connect_ex(addr)
             if err in (errno.EINPROGRESS, errno.EAGAIN):
                 poller = select.poll()
                 poller.register(sock.fileno(), select.POLLOUT)

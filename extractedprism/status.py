@@ -29,7 +29,7 @@ from typing import Any
 from extractedprism.config import FLAG_BY_NAME, parse_duration
 
 READY, NOT_READY, UNREACHABLE = 0, 1, 2
-COLUMNS = ("ADDRESS", "SOURCE", "STATE", "READY", "TIER", "RTT", "CONNS", "SINCE",
+COLUMNS = ("ADDRESS", "SOURCE", "STATE", "READY", "TIER", "RTT", "CONNS", "SINCE", "ADMIN",
            "LAST ERROR")
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
@@ -181,16 +181,26 @@ def _source(u: Mapping[str, Any]) -> str:
     return _dash(src)
 
 
+def _admin(u: Mapping[str, Any]) -> str:
+    """An operator's admin action on the upstream: ``drain(uid=0)``, or ``-``."""
+    admin = u.get("admin")
+    if not isinstance(admin, dict) or not admin.get("action"):
+        return "-"
+    uid = admin.get("uid")
+    return f"{admin['action']}(uid={uid})" if uid is not None else str(admin["action"])
+
+
 def row(u: Mapping[str, Any], now: datetime.datetime) -> list[str]:
     ready = u.get("ready")
     if ready is None and u.get("readiness") not in (None, "n/a"):
         ready = u.get("readiness") == "ready"
     return [_dash(u.get("address")), _source(u), state_word(u), _yes_no(ready),
             _dash(u.get("tier")), _rtt(u.get("rtt_seconds")), conns_text(u),
-            age(u.get("since"), now), _last_error(u)]
+            age(u.get("since"), now), _admin(u), _last_error(u)]
 
 
-def summary(doc: Mapping[str, Any], ready: bool) -> str:
+def summary(doc: Mapping[str, Any], ready: bool,
+            now: datetime.datetime | None = None) -> str:
     ups = [u for u in doc.get("upstreams") or [] if isinstance(u, dict)]
     healthy = sum(1 for u in ups if state_word(u) == "healthy"
                   or (not u.get("state") and u.get("healthy") and not u.get("draining")))
@@ -216,6 +226,8 @@ def summary(doc: Mapping[str, Any], ready: bool) -> str:
     for key in ("relay", "version"):
         if doc.get(key):
             parts.append(f"{key} {doc[key]}")
+    if parse_time(doc.get("started")) is not None:
+        parts.append(f"up {age(doc['started'], now or datetime.datetime.now(datetime.UTC))}")
     return ", ".join(parts)
 
 
@@ -228,7 +240,7 @@ def render(doc: Mapping[str, Any], ready: bool, now: datetime.datetime | None = 
              for r in rows]
     if len(rows) == 1:
         lines.append("(no upstreams)")
-    lines.append(summary(doc, ready))
+    lines.append(summary(doc, ready, now))
     return "\n".join(lines)
 
 

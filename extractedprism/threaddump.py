@@ -2,7 +2,7 @@
 
 A goroutine-style dump of 70 threads, 63 of them idle pipe threads parked in the same
 place, is mostly repetition; grouped it is a dozen stacks, each under a header such as
-``63 threads: pipe-idle-* in _park (extractedprism/proxy.py:327)`` naming the innermost
+``63 threads: pipe-idle-* parked in _park (extractedprism/proxy.py:327)`` naming the innermost
 frame of this package (where the thread *is*, rather than the ``threading`` wait it
 sits in). The caller logs the block as one record, so a log collector keeps it whole.
 """
@@ -10,6 +10,7 @@ sits in). The caller logs the block as one record, so a log collector keeps it w
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import traceback
@@ -29,6 +30,13 @@ def _pattern(names: list[str]) -> str:
     return first[:n] + "*"
 
 
+# A thread whose innermost frame is in one of these modules, or calls one of these
+# blocking calls, waits for something (a lock, an event, a queue, a socket): parked.
+_WAITING_MODULES = ("threading.py", "queue.py", "selectors.py")
+_WAITING_CALL = re.compile(r"\b(acquire|wait|get|poll|select|accept|_accept|recv|recv_into"
+                           r"|sleep)\(")
+
+
 def _where(stack: traceback.StackSummary) -> str:
     if not stack:
         return "(no Python frame)"
@@ -36,7 +44,10 @@ def _where(stack: traceback.StackSummary) -> str:
     fs = (ours or list(stack))[-1]
     parts = fs.filename.split(os.sep)
     short = os.sep.join(parts[-2:]) if len(parts) > 1 else fs.filename
-    return f"in {fs.name} ({short}:{fs.lineno})"
+    inner = stack[-1]
+    parked = (inner.filename.endswith(_WAITING_MODULES)
+              or bool(_WAITING_CALL.search(inner.line or "")))
+    return f"{'parked in' if parked else 'in'} {fs.name} ({short}:{fs.lineno})"
 
 
 def grouped_dump(frames: dict[int, FrameType] | None = None,

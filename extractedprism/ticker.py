@@ -19,6 +19,7 @@ from collections.abc import Callable
 from extractedprism.endpoints import Endpoint
 from extractedprism.probes import ProbeResult, ReadyzSettings, probe
 from extractedprism.registry import Change, Registry
+from extractedprism.threads import join_until
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +75,8 @@ class Ticker:
             self._thread.join(timeout)
         with self._lock:
             probes = list(self._in_flight.values())
-        for t in probes:
-            t.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t for t in [self._thread, *probes] if t is not None and t.is_alive()]
-        for t in stuck:
-            # A daemon: abandoned, never waited for again (a probe can sit in
-            # getaddrinfo far beyond any timeout of ours).
-            log.warning("thread outlived its shutdown deadline; abandoned thread=%s", t.name)
-        return not stuck
+        # A probe can sit in getaddrinfo far beyond any timeout of ours.
+        return join_until([self._thread, *probes], deadline)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

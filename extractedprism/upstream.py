@@ -17,9 +17,11 @@ Rules
   becomes unready, so it loses its long-lived connections like an unready one.
 * Lifecycle: ACTIVE while in the endpoint list; DRAINING once removed (no new
   connections, no health checks, the health value holds) until its connections end or
-  --drain-timeout; re-adding it makes it ACTIVE again.
-* Pickable for a new connection: healthy, not draining and not drained by an operator
-  (:func:`pickable`, the one place that says so).
+  --drain-timeout; re-adding it makes it ACTIVE again. FALLBACK (``--static-endpoints=
+  fallback``): a static endpoint that discovery's list lacks; still health-checked and
+  tried in panic mode, never picked normally; listed by discovery again, it is ACTIVE.
+* Pickable for a new connection: healthy, not draining, not a fallback and not drained
+  by an operator (:func:`pickable`, the one place that says so).
 * Operator actions (``extractedprism admin``, kept in memory only): ``admin`` is "" (in
   service), "drain" (no new connections; existing ones stay) or "close" (no new
   connections; the registry closes the existing ones spread over --drain-timeout). An
@@ -61,16 +63,20 @@ class Readiness(enum.Enum):
 class Lifecycle(enum.Enum):
     """Where the upstream stands with respect to the endpoint list.
 
-    New states (an operator's drain, a demoted static "fallback" endpoint) go here,
-    with their rule in :func:`pickable` and :data:`TAKES_CHECKS`.
+    New states (an operator's drain or close, a demoted static "fallback" endpoint) go
+    here, with their rule in :func:`pickable`, :data:`TAKES_CHECKS`, and the
+    transition functions below (:func:`drain`, :func:`undrain`).
     """
 
     ACTIVE = "active"  # in the merged endpoint list
     DRAINING = "draining"  # removed: connections finish within --drain-timeout
+    FALLBACK = "fallback"  # static, not in discovery's list: last resort (panic mode)
 
 
-# Lifecycles whose upstreams are health-checked and may take new connections.
-TAKES_CHECKS = frozenset({Lifecycle.ACTIVE})
+# Lifecycles whose upstreams are health-checked.
+TAKES_CHECKS = frozenset({Lifecycle.ACTIVE, Lifecycle.FALLBACK})
+# Lifecycles that are in the endpoint list (the others drain).
+LISTED = frozenset({Lifecycle.ACTIVE, Lifecycle.FALLBACK})
 
 
 class _HealthAndDrain(Protocol):
@@ -81,12 +87,16 @@ class _HealthAndDrain(Protocol):
     def draining(self) -> bool: ...
 
     @property
+    def fallback(self) -> bool: ...
+
+    @property
     def admin_drained(self) -> bool: ...
 
 
 def pickable(u: _HealthAndDrain) -> bool:
-    """Eligible for a new connection: healthy, not draining, not drained by an operator."""
-    return u.healthy and not u.draining and not u.admin_drained
+    """Eligible for a new connection: healthy, not draining, not a fallback, not drained
+    by an operator."""
+    return u.healthy and not u.draining and not u.fallback and not u.admin_drained
 
 
 ADMIN_ACTIONS = ("drain", "close")
@@ -109,7 +119,11 @@ class UpstreamState:
 
     @property
     def draining(self) -> bool:
-        return self.lifecycle is not Lifecycle.ACTIVE
+        return self.lifecycle is Lifecycle.DRAINING
+
+    @property
+    def fallback(self) -> bool:
+        return self.lifecycle is Lifecycle.FALLBACK
 
     @property
     def admin_drained(self) -> bool:
@@ -244,6 +258,13 @@ def drain(s: UpstreamState) -> UpstreamState:
 def undrain(s: UpstreamState) -> UpstreamState:
     """Re-added before its drain completed: the drain is aborted."""
     return _replace(s, lifecycle=Lifecycle.ACTIVE)
+
+
+def listed(s: UpstreamState, *, fallback: bool) -> UpstreamState:
+    """In the new endpoint list, as an ordinary upstream or as a fallback (a drain, if
+    any, is aborted)."""
+    want = Lifecycle.FALLBACK if fallback else Lifecycle.ACTIVE
+    return s if s.lifecycle is want else _replace(s, lifecycle=want)
 
 
 def admin_set(s: UpstreamState, action: str) -> UpstreamState:

@@ -59,6 +59,7 @@ from extractedprism.slices import (
     slice_name,
     union,
 )
+from extractedprism.threads import join_until
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +142,7 @@ class KubernetesProvider:
             stream = self._open_stream
         if stream is not None:
             stream.close()
-        if self._thread is None:
-            return True
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.error("thread outlived its shutdown deadline thread=watcher timeout=%s", timeout)
-            return False
-        return True
+        return join_until([self._thread], time.monotonic() + timeout)
 
     @property
     def running(self) -> bool:

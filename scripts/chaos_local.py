@@ -1290,9 +1290,18 @@ def main() -> int:
     ap.add_argument("--no-netns", action="store_true",
                     help="skip the network-partition event (no namespace is created)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir with the proxy log")
+    ap.add_argument("--control-plane", choices=("standin", "real"), default="standin",
+                    help="standin: the upstreams above (default); real: etcd and three "
+                    "kube-apiservers of scripts/controlplane, with its own schedule "
+                    "(scripts/chaos_real.py; needs root, ip netns and the built binaries)")
     args = ap.parse_args()
     if args.duration <= 0 or args.duration > 24 * 3600:
         ap.error("--duration must be in (0, 86400] seconds")
+    if args.control_plane == "real":
+        sys.path.insert(0, str(ROOT / "scripts"))
+        import chaos_real
+
+        return chaos_real.main(args)
 
     def on_term(_s: int, _f: object) -> None:
         raise KeyboardInterrupt

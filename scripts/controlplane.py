@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import fcntl
 import ipaddress
 import json
 import os
@@ -41,12 +42,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import controlplane_build as cpbuild  # noqa: E402
+import controlplane_build as cpbuild
 
 APISERVERS = ("api1", "api2", "api3")
 PORT = 6443
@@ -185,12 +185,6 @@ def kubeconfig(server: str, ca: str, token: str | None = None, cert: str | None 
 # --- the run --------------------------------------------------------------------
 
 
-@dataclass
-class Proc:
-    name: str
-    pid: int
-
-
 class ControlPlane:
     """One run: its directory, state file, namespaces, links and processes."""
 
@@ -205,10 +199,23 @@ class ControlPlane:
     def create(cls, owner_pid: int | None = None) -> ControlPlane:
         root = state_root()
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Picking the /24 and recording it happen under one lock, so two sessions
+        # starting together cannot pick the same one before either has made its bridge.
+        lock = open(root / ".subnet.lock", "w")  # noqa: SIM115 - closed below
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return cls._create_locked(root, owner_pid)
+        finally:
+            lock.close()
+
+    @classmethod
+    def _create_locked(cls, root: Path, owner_pid: int | None) -> ControlPlane:
         run_id = secrets.token_hex(3)
         run_dir = root / run_id
         run_dir.mkdir(mode=0o700)
-        subnet = _free_subnet()
+        taken = [ipaddress.ip_network(cp.state["subnet"]) for cp in runs()
+                 if not cp.state.get("downed_at")]
+        subnet = _free_subnet(taken)
         hosts = list(subnet.hosts())
         ips = {name: str(hosts[idx - 1]) for name, idx in HOST_INDEX.items()}
         state = {
@@ -308,6 +315,12 @@ class ControlPlane:
         return self.dir / f"{name}.pid"
 
     def pid(self, name: str) -> int | None:
+        """The live process ``name`` of this run, or None."""
+        child = self._children.get(name)
+        if child is not None:
+            # Our own child: authoritative, also between fork and exec, when its
+            # command line is still this process's.
+            return child.pid if child.poll() is None else None
         try:
             pid = int(self._pidfile(name).read_text())
         except (FileNotFoundError, ValueError):
@@ -418,7 +431,7 @@ class ControlPlane:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._reap()
-            if pid is None or not self._is_ours(pid):
+            if pid is None or self.pid(name) is None:
                 child = self._children.pop(name, None)
                 if child is not None:  # a zombie of ours: collect it
                     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -473,8 +486,7 @@ class ControlPlane:
     # -- HTTP helpers (root namespace, over the bridge) --
 
     def ssl_context(self) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(cafile=self.ca)
-        return ctx
+        return ssl.create_default_context(cafile=self.ca)
 
     def request(self, api: str, path: str, method: str = "GET", body: Any = None,
                 token: str | None = "admin", timeout: float = 5.0,
@@ -495,8 +507,9 @@ class ControlPlane:
                 raw = resp.read()
                 status = resp.status
         except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            status = exc.code
+            with exc:
+                raw = exc.read()
+                status = exc.code
         try:
             return status, json.loads(raw)
         except ValueError:
@@ -509,7 +522,7 @@ class ControlPlane:
             return None
 
     def slice_addresses(self, via: str | None = None) -> set[str] | None:
-        """Addresses of the ``kubernetes`` EndpointSlice (asked of the first answering apiserver)."""
+        """Addresses in the ``kubernetes`` EndpointSlice (the first apiserver that answers)."""
         for api in ([via] if via else APISERVERS):
             try:
                 status, body = self.request(
@@ -545,8 +558,7 @@ class ControlPlane:
         want = {self.ip(a) for a in apis}
         while True:
             for api in apis:
-                pid = self.state["pids"].get(api)
-                if pid is not None and not self._is_ours(pid):
+                if self.pid(api) is None:
                     tail = (self.dir / f"{api}.log").read_text(errors="replace")[-1500:]
                     raise CPError(f"{api} exited while starting; log tail:\n{tail}")
             ready = all(self.readyz(a) == 200 for a in apis)
@@ -641,8 +653,8 @@ class ControlPlane:
         done = []
         names = sorted(self.state["pids"], key=lambda n: n == "etcd")  # apiservers first
         for name in names:
-            pid = self.state["pids"][name]
-            if self._is_ours(pid):
+            pid = self.pid(name)
+            if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)  # a stopped process would not die of TERM
                     os.kill(pid, signal.SIGKILL)
@@ -666,6 +678,8 @@ class ControlPlane:
             while (kind == "link" and time.monotonic() < deadline
                    and _ip("link", "show", name, check=False).returncode == 0):
                 time.sleep(0.05)
+        # The WAL preallocates 64 MiB; logs, state and PKI stay until `down --stale`.
+        shutil.rmtree(self.dir / "etcd-data", ignore_errors=True)
         self.state["downed_at"] = time.time()
         self.save()
         return done
@@ -699,9 +713,9 @@ def _plain_opener() -> urllib.request.OpenerDirector:
     return urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _free_subnet() -> ipaddress.IPv4Network:
+def _free_subnet(taken: list[Any]) -> ipaddress.IPv4Network:
     out = _ip("-4", "-o", "addr", "show").stdout
-    used = []
+    used = list(taken)
     for line in out.splitlines():
         parts = line.split()
         if "inet" in parts:
@@ -777,9 +791,11 @@ def describe(cp: ControlPlane) -> str:
         lines.append(f"{api}  https://{cp.endpoint(api)}  pid {cp.pid(api)}  "
                      f"netns {cp.state['netns'][api]}")
     lines += [f"CA: {cp.ca}  (serving certificate names: {SERVER_NAME}, the IPs)",
-              f"admin token: {cp.token_file('admin')}",
+              f"admin token: {cp.token('admin')} (in {cp.token_file('admin')}; a user in "
+              "system:masters, made for this run)",
               f"kubeconfig: {cp.dir}/admin.kubeconfig",
-              f"kubectl: {cp.binary('kubectl')} --kubeconfig {cp.dir}/admin.kubeconfig get --raw /readyz",
+              f"kubectl: {cp.binary('kubectl')} --kubeconfig {cp.dir}/admin.kubeconfig "
+              "get --raw /readyz",
               f"export EP_CONTROLPLANE_RUN={cp.dir}"]
     return "\n".join(lines)
 

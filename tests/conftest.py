@@ -19,8 +19,8 @@ from tests.fakes.fake_apiserver import FakeApiServer
 from tests.fakes.upstream import EchoServer, IdentityServer
 
 PRODUCT_THREAD_PREFIXES = ("acceptor", "ticker", "pipe-", "probe-", "watcher", "heartbeat",
-                           "handover", "state-file",
-                           "health-http", "admin-")
+                           "log-writer", "handover", "state-file",
+                           "health-http", "admin-", "dial-")
 
 
 def _product_threads() -> set[threading.Thread]:

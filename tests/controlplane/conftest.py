@@ -23,19 +23,16 @@ import importlib.util
 import json
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.controlplane import harness
-from tests.util import PYTHON, ROOT, start_on_free_ports, wait_until
+from tests.util import ROOT, wait_until
 
 _spec = importlib.util.spec_from_file_location("controlplane", ROOT / "scripts" / "controlplane.py")
 assert _spec is not None and _spec.loader is not None
@@ -63,9 +60,10 @@ def why_not() -> str | None:
     if why:
         return why
     missing = cpmod.cpbuild.missing()
-    if missing and os.environ.get("EP_CONTROLPLANE_BUILD", "") != "1":
+    if missing:
+        # Not built inside a test: the first build takes minutes (scripts/test builds first).
         return (f"control-plane binaries not built ({', '.join(missing)}): run "
-                "`scripts/controlplane build` (scripts/test does), or set EP_CONTROLPLANE_BUILD=1")
+                "`scripts/controlplane build` (scripts/test does)")
     return None
 
 
@@ -73,7 +71,6 @@ def why_not() -> str | None:
 def control_plane() -> Iterator[Any]:
     for line in cpmod.down_stale():
         print(line)
-    cpmod.cpbuild.build()
     cp = cpmod.ControlPlane.create(owner_pid=os.getpid())
     try:
         t0 = time.monotonic()
@@ -83,6 +80,13 @@ def control_plane() -> Iterator[Any]:
         yield cp
     finally:
         cp.down()
+
+
+@pytest.fixture(autouse=True)
+def stop_background_clients() -> Iterator[None]:
+    """Clients a failing test left running (kubectl watches, load threads) stop here."""
+    yield
+    harness.stop_live()
 
 
 @pytest.fixture
@@ -122,119 +126,25 @@ def namespace(cluster: Any) -> Iterator[str]:
             continue
 
 
-@dataclass
-class Proxy:
-    """One extractedprism process under test."""
-
-    proc: subprocess.Popen[bytes]
-    port: int
-    health_port: int
-    args: list[str]
-    log_path: Path
-    kubeconfig: Path  # admin, through this proxy (for test clients)
-    cp: Any
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def upstreams(self) -> dict[str, dict[str, Any]]:
-        return harness.upstreams(self.health_port)
-
-    def metrics(self) -> str:
-        opener = harness.urllib.request.build_opener(harness.urllib.request.ProxyHandler({}))
-        with opener.open(f"http://127.0.0.1:{self.health_port}/metrics", timeout=5) as r:
-            return r.read().decode()
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        for line in self.metrics().splitlines():
-            if line.startswith("#"):
-                continue
-            key, _, value = line.rpartition(" ")
-            if key == name or key == f"{name}{{{want}}}":
-                return float(value)
-        return None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def client(self, fresh: bool = False) -> Any:
-        return harness.api_client(self.port, self.cp.ca, self.cp.token("admin"),
-                                  fresh_connections=fresh)
-
-    def watcher(self, namespace: str, name: str) -> harness.Watcher:
-        return harness.Watcher(self.cp.binary("kubectl"), str(self.kubeconfig), namespace, name)
-
-
-def _stop_proxy(proxy: Proxy) -> None:
-    proc = proxy.proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture
-def extractedprism(cluster: Any, tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
-    started: list[Proxy] = []
+def extractedprism(cluster: Any, tmp_path: Path) -> Iterator[Callable[..., harness.Proxy]]:
+    started: list[harness.Proxy] = []
 
-    def start(*, endpoints: list[str] | None = None, drain: str = "30s", discovery: bool = True,
-              readyz: bool = True, extra: list[str] | None = None,
-              name: str = "ep") -> Proxy:
-        cp = cluster
-        eps = endpoints if endpoints is not None else cp.endpoints
-        log_path = tmp_path / f"{name}.log"
-        kc_self = tmp_path / f"{name}-discovery.kubeconfig"
-        kc_admin = tmp_path / f"{name}-admin.kubeconfig"
-        holder: dict[str, Any] = {}
-
-        def spawn(ports: list[int]) -> subprocess.Popen[bytes]:
-            bind, health = ports
-            # Discovery goes through the proxy's own listener, verified as
-            # kubernetes.default.svc, with the RBAC the chart grants (list/watch slices).
-            cp.proxy_kubeconfig(bind, kc_self, who="extractedprism")
-            cp.proxy_kubeconfig(bind, kc_admin, who="admin")
-            args = ["--bind-address=127.0.0.1", f"--bind-port={bind}",
-                    f"--health-port={health}", f"--endpoints={','.join(eps)}",
-                    f"--health-interval={INTERVAL:g}s", f"--health-timeout={TIMEOUT:g}s",
-                    f"--drain-timeout={drain}", f"--enable-discovery={str(discovery).lower()}",
-                    "--log-level=info"]
-            if discovery:
-                args.append(f"--kubeconfig={kc_self}")
-            if readyz:
-                args += ["--health-check=readyz", f"--health-check-ca-file={cp.ca}"]
-            args += extra or []
-            holder["args"] = args
-            logf = open(log_path, "ab")  # noqa: SIM115 - the child owns it from here
-            try:
-                env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
-                return subprocess.Popen([PYTHON, "-m", "extractedprism", *args], stdout=logf,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, cwd=ROOT)
-            finally:
-                logf.close()
-
-        def ready(ports: list[int]) -> bool:
-            return harness.http_status(f"http://127.0.0.1:{ports[1]}/healthz") == 200
-
-        proc, (bind, health) = start_on_free_ports(spawn, ready, timeout=30)
-        if proc.poll() is not None:
-            raise AssertionError(f"extractedprism exited {proc.returncode}:\n"
-                                 f"{log_path.read_text(errors='replace')[-3000:]}")
-        proxy = Proxy(proc, bind, health, holder["args"], log_path, kc_admin, cp)
+    def start(**kw: Any) -> harness.Proxy:
+        proxy = harness.start_proxy(cluster, tmp_path, interval=INTERVAL, timeout=TIMEOUT, **kw)
         started.append(proxy)
         return proxy
 
     yield start
+    harness.stop_live()  # clients first: a watch would re-dial a stopped proxy in a loop
     for proxy in started:
-        _stop_proxy(proxy)
+        proxy.stop()
         if proxy.proc.returncode not in (0, None):
             print(f"extractedprism exited {proxy.proc.returncode}; log tail:\n"
                   f"{proxy.log()[-2000:]}")
 
 
-def wait_all_ready(proxy: Proxy, addresses: list[str], timeout: float) -> float:
+def wait_all_ready(proxy: harness.Proxy, addresses: list[str], timeout: float) -> float:
     """Seconds until every address is in /upstreams, healthy and ready."""
     t0 = time.monotonic()
 

@@ -22,6 +22,7 @@ event, a deadline and a count.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -46,6 +47,17 @@ CLIENT_READ_TIMEOUT = 10.0
 
 def mono() -> float:
     return time.monotonic()
+
+
+# Every background client started and not yet stopped, so a failing test's teardown
+# (tests/controlplane/conftest.py) stops them all: no kubectl outlives its test.
+LIVE: list[Any] = []
+
+
+def stop_live() -> None:
+    while LIVE:
+        with contextlib.suppress(Exception):
+            LIVE.pop().stop()
 
 
 class ClientGoRetry(urllib3.Retry):
@@ -123,6 +135,7 @@ class Load:
                                            name=f"cp-load-fresh-{i}") for i in range(fresh)]
 
     def start(self) -> Load:
+        LIVE.append(self)
         for t in self._threads:
             t.start()
         return self
@@ -190,6 +203,7 @@ class Writer:
                                             data={"seq": "0"}))
 
     def start(self) -> Writer:
+        LIVE.append(self)
         self._thread.start()
         return self
 
@@ -209,7 +223,8 @@ class Writer:
                 self.failed += 1
                 if len(self.errors) < 20:
                     self.errors.append(f"{time.strftime('%H:%M:%S')} seq={self.seq} "
-                                       f"{type(exc).__name__}: {getattr(exc, 'body', None) or str(exc)[:300]}")
+                                       f"{type(exc).__name__}: "
+                                       f"{getattr(exc, 'body', None) or str(exc)[:300]}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -255,6 +270,7 @@ class Watcher:
         self._thread = threading.Thread(target=self._run, name=f"cp-watch-{name}", daemon=True)
 
     def start(self) -> Watcher:
+        LIVE.append(self)
         self._thread.start()
         return self
 
@@ -326,7 +342,7 @@ class Watcher:
     def max_gap(self, t0: float, t1: float) -> float:
         """Longest time without an event inside [t0, t1]."""
         times = [t0] + [t for t, *_ in self.events if t0 <= t <= t1] + [t1]
-        return max(b - a for a, b in zip(times, times[1:], strict=False))
+        return max(b - a for a, b in itertools.pairwise(times))
 
 
 # --- proxy observation ---------------------------------------------------------------
@@ -373,6 +389,7 @@ class Sampler:
         self._thread = threading.Thread(target=self._run, name="cp-sampler", daemon=True)
 
     def start(self) -> Sampler:
+        LIVE.append(self)
         self._thread.start()
         return self
 
@@ -417,3 +434,104 @@ class Sampler:
 def upstreams(health_port: int) -> dict[str, dict[str, Any]]:
     return {u["address"]: u for u in
             http_json(f"http://127.0.0.1:{health_port}/upstreams")["upstreams"]}
+
+
+# --- the product under test ---------------------------------------------------------
+
+
+@dataclass
+class Proxy:
+    """One extractedprism process (``python -m extractedprism``) in front of a run."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    health_port: int
+    args: list[str]
+    log_path: Path
+    kubeconfig: Path  # admin, through this proxy (for test clients)
+    cp: Any
+
+    def upstreams(self) -> dict[str, dict[str, Any]]:
+        return upstreams(self.health_port)
+
+    def metrics(self) -> str:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"http://127.0.0.1:{self.health_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in self.metrics().splitlines():
+            if line.startswith("#"):
+                continue
+            key, _, value = line.rpartition(" ")
+            if key == name or key == f"{name}{{{want}}}":
+                return float(value)
+        return None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, fresh: bool = False) -> k8s.ApiClient:
+        return api_client(self.port, self.cp.ca, self.cp.token("admin"),
+                          fresh_connections=fresh)
+
+    def watcher(self, namespace: str, name: str) -> Watcher:
+        return Watcher(self.cp.binary("kubectl"), str(self.kubeconfig), namespace, name)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_proxy(cp: Any, workdir: Path, *, interval: float, timeout: float,
+                endpoints: list[str] | None = None, drain: str = "30s",
+                discovery: bool = True, readyz: bool = True, extra: list[str] | None = None,
+                name: str = "ep") -> Proxy:
+    """Start extractedprism on 127.0.0.1 (free ports) in front of the run ``cp``.
+
+    Discovery goes through the proxy's own listener, verified as kubernetes.default.svc,
+    with the RBAC the chart grants (get/list/watch EndpointSlices); the readyz probe
+    verifies the serving certificates against the run's CA.
+    """
+    from tests.util import PYTHON, ROOT, start_on_free_ports
+
+    eps = endpoints if endpoints is not None else cp.endpoints
+    log_path = workdir / f"{name}.log"
+    kc_self = workdir / f"{name}-discovery.kubeconfig"
+    kc_admin = workdir / f"{name}-admin.kubeconfig"
+    holder: dict[str, Any] = {}
+
+    def spawn(ports: list[int]) -> subprocess.Popen[bytes]:
+        bind, health = ports
+        cp.proxy_kubeconfig(bind, kc_self, who="extractedprism")
+        cp.proxy_kubeconfig(bind, kc_admin, who="admin")
+        args = ["--bind-address=127.0.0.1", f"--bind-port={bind}", f"--health-port={health}",
+                f"--endpoints={','.join(eps)}", f"--health-interval={interval:g}s",
+                f"--health-timeout={timeout:g}s", f"--drain-timeout={drain}",
+                f"--enable-discovery={str(discovery).lower()}", "--log-level=info"]
+        if discovery:
+            args.append(f"--kubeconfig={kc_self}")
+        if readyz:
+            args += ["--health-check=readyz", f"--health-check-ca-file={cp.ca}"]
+        args += extra or []
+        holder["args"] = args
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
+        with open(log_path, "ab") as logf:  # the child keeps its own descriptor
+            return subprocess.Popen([PYTHON, "-m", "extractedprism", *args], stdout=logf,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, cwd=ROOT)
+
+    def ready(ports: list[int]) -> bool:
+        return http_status(f"http://127.0.0.1:{ports[1]}/healthz") == 200
+
+    proc, (bind, health) = start_on_free_ports(spawn, ready, timeout=30)
+    if proc.poll() is not None:
+        raise AssertionError(f"extractedprism exited {proc.returncode}:\n"
+                             f"{log_path.read_text(errors='replace')[-3000:]}")
+    return Proxy(proc, bind, health, holder["args"], log_path, kc_admin, cp)

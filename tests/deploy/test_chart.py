@@ -11,7 +11,15 @@ import pytest
 import yaml
 
 import extractedprism
-from extractedprism.config import FLAGS, HEALTH_CHECKS, LOG_LEVELS, SELECTION_MODES, validate
+from extractedprism.config import (
+    FLAGS,
+    HEALTH_CHECKS,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    SELECTION_MODES,
+    STATIC_ENDPOINT_MODES,
+    validate,
+)
 from tests.deploy.helpers import (
     CHART_DIR,
     ENDPOINTS,
@@ -54,7 +62,36 @@ NON_DEFAULTS: dict[str, Any] = {
     "kubeconfig": "/etc/extractedprism/kubeconfig",
     "max-connections": 1000000,
     "pipe-sched": "normal",
-    "admin-socket": "/run/extractedprism/admin.sock",
+    "relay": "python",
+    "dial-hedge-delay": "0s",
+    "handover-socket": "/run/ep/handover.sock",
+    "shutdown-drain-timeout": "5s",
+    "state-file": "/var/lib/ep/state.json",
+    "static-endpoints": "fallback",
+    "log-format": "json",
+    "admin-socket": "/run/ep-admin/admin.sock",
+}
+
+SA_CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+# Where the chart's default deliberately differs from the program's, and why:
+CHART_DEFAULTS: dict[str, Any] = {
+    # Empty = readyz with the pod's service-account CA when discovery is on, else tcp.
+    "health-check": "",
+    # The handover, the shutdown drain and the state file make a node's upgrade gapless.
+    "handover-socket": "/run/extractedprism/handover.sock",
+    "shutdown-drain-timeout": "30s",
+    "state-file": "/var/lib/extractedprism/state.json",
+    # The admin socket on a per-pod emptyDir, for `kubectl exec ... extractedprism admin`.
+    "admin-socket": "/run/extractedprism-admin/admin.sock",
+}
+# What the default render passes to the program for those.
+CHART_DEFAULT_ENV: dict[str, str] = {
+    "health-check": "readyz",
+    "health-check-ca-file": SA_CA,
+    "handover-socket": "/run/extractedprism/handover.sock",
+    "shutdown-drain-timeout": "30s",
+    "state-file": "/var/lib/extractedprism/state.json",
+    "admin-socket": "/run/extractedprism-admin/admin.sock",
 }
 
 
@@ -96,7 +133,9 @@ def test_every_flag_is_in_values_with_the_program_default(flag, chart_values) ->
     key = values_key(flag)
     assert key in chart_values, f"values.yaml lacks {key} for {flag.option}"
     value = chart_values[key]
-    if flag.default is None:
+    if flag.name in CHART_DEFAULTS:
+        assert value == CHART_DEFAULTS[flag.name], key
+    elif flag.default is None:
         assert value in ("", [], None), f"{key}: {flag.option} has no default, values has {value!r}"
     else:
         assert _as_env(value) == flag.default, (
@@ -114,7 +153,9 @@ def test_schema_enums_are_the_programs_choices() -> None:
         props = chart.schema["properties"]
     assert props["logLevel"]["enum"] == list(LOG_LEVELS)
     assert props["upstreamSelection"]["enum"] == list(SELECTION_MODES)
-    assert props["healthCheck"]["enum"] == list(HEALTH_CHECKS)
+    assert props["healthCheck"]["enum"] == ["", *HEALTH_CHECKS]  # "": the chart's choice
+    assert props["logFormat"]["enum"] == list(LOG_FORMATS)
+    assert props["staticEndpoints"]["enum"] == list(STATIC_ENDPOINT_MODES)
 
 
 # --- the DaemonSet -------------------------------------------------------------------------
@@ -129,14 +170,19 @@ def test_default_render_has_exactly_the_expected_objects(default_docs) -> None:
 def test_pod_runs_in_the_node_network_as_node_critical(default_docs) -> None:
     spec = _pod_spec(default_docs)
     assert spec["hostNetwork"] is True
-    assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    # Hostname endpoints must resolve before the CNI and cluster DNS exist.
+    assert spec["dnsPolicy"] == "Default"
     assert spec["priorityClassName"] == "system-node-critical"
     assert spec["automountServiceAccountToken"] is True
     assert spec["serviceAccountName"] == one(default_docs, "ServiceAccount")["metadata"]["name"]
     ds = one(default_docs, "DaemonSet")
     assert ds["metadata"]["namespace"] == NAMESPACE
+    # The new pod starts beside the old one and takes its listeners over.
     assert ds["spec"]["updateStrategy"] == {
-        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    # The probes reach whichever process holds the shared health listener: the new pod
+    # must stay ready a while (past its takeover) before the old one is stopped.
+    assert ds["spec"]["minReadySeconds"] >= 10
     selector = ds["spec"]["selector"]["matchLabels"]
     assert selector.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
 
@@ -168,16 +214,22 @@ def test_tolerations_let_it_run_on_every_node(default_docs, taint) -> None:
     assert _tolerates(_pod_spec(default_docs)["tolerations"], taint)
 
 
+def test_no_declared_ports_so_the_surge_pod_fits_on_the_node(default_docs) -> None:
+    # In the host network a declared containerPort is a host port: the scheduler would keep
+    # the surge pod of the rolling update off the node while the old pod holds it.
+    spec = _pod_spec(default_docs)
+    for c in spec["containers"] + spec.get("initContainers", []):
+        assert "ports" not in c, c["name"]
+
+
 def test_ports_and_probes_point_at_the_health_server(default_docs) -> None:
     c = container(default_docs)
     env = env_of(c)
-    ports = {p["name"]: p for p in c["ports"]}
-    assert ports["proxy"]["containerPort"] == int(env["EP_BIND_PORT"]) == 7445
-    assert ports["health"]["containerPort"] == int(env["EP_HEALTH_PORT"]) == 7446
+    assert int(env["EP_BIND_PORT"]) == 7445
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = c[probe]["httpGet"]
         assert get["path"] == path
-        assert get["port"] == "health"
+        assert get["port"] == int(env["EP_HEALTH_PORT"]) == 7446
         assert get["scheme"] == "HTTP"
         # Host network + loopback listener: the kubelet must probe loopback, not the node IP.
         assert get["host"] == "127.0.0.1"
@@ -188,9 +240,17 @@ def test_probe_host_follows_the_health_bind_address() -> None:
     docs = render({"endpoints": ENDPOINTS, "healthBindAddress": "0.0.0.0", "healthPort": 9000})[0]
     c = container(docs)
     assert c["livenessProbe"]["httpGet"]["host"] == "127.0.0.1"
-    assert {p["name"]: p["containerPort"] for p in c["ports"]}["health"] == 9000
+    assert c["livenessProbe"]["httpGet"]["port"] == 9000
     docs = render({"endpoints": ENDPOINTS, "bindAddress": "127.0.0.5"})[0]
     assert container(docs)["readinessProbe"]["httpGet"]["host"] == "127.0.0.5"
+    # The node's own IP: the kubelet probes that address.
+    docs = render({"endpoints": ENDPOINTS, "healthBindAddress": "192.0.2.7"})[0]
+    c = container(docs)
+    assert validate(flag_values(env_of(c))).health_bind_address == "192.0.2.7"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"]["host"] == "192.0.2.7"
+    docs = render({"endpoints": ENDPOINTS, "healthBindAddress": "::"})[0]
+    assert container(docs)["livenessProbe"]["httpGet"]["host"] == "::1"
 
 
 def test_security_context_is_fully_locked_down(default_docs) -> None:
@@ -216,9 +276,122 @@ def test_resources_are_set(default_docs) -> None:
     assert res["limits"]["memory"]
 
 
-def test_no_volumes_unless_asked(default_docs) -> None:
-    assert "volumes" not in _pod_spec(default_docs)
-    assert "volumeMounts" not in container(default_docs)
+def test_no_volumes_unless_asked() -> None:
+    docs = render({"endpoints": ENDPOINTS, "handoverSocket": "", "stateFile": "",
+                   "adminSocket": ""})[0]
+    spec = _pod_spec(docs)
+    assert "volumes" not in spec
+    assert "initContainers" not in spec
+    assert "volumeMounts" not in container(docs)
+    env = env_of(container(docs))
+    assert "EP_HANDOVER_SOCKET" not in env and "EP_STATE_FILE" not in env
+
+
+def _host_dirs(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """mountPath -> hostPath of the container's hostPath volumes."""
+    spec = _pod_spec(docs)
+    host = {v["name"]: v["hostPath"]["path"] for v in spec.get("volumes", []) if "hostPath" in v}
+    return {m["mountPath"]: host[m["name"]] for m in container(docs).get("volumeMounts", [])
+            if m["name"] in host}
+
+
+def test_handover_socket_and_state_file_live_on_host_directories(default_docs) -> None:
+    env = env_of(container(default_docs))
+    config = validate(flag_values(env))
+    dirs = _host_dirs(default_docs)
+    # Same path inside and outside: the old and the new pod of a node meet there.
+    assert dirs == {"/run/extractedprism": "/run/extractedprism",
+                    "/var/lib/extractedprism": "/var/lib/extractedprism"}
+    assert env["EP_HANDOVER_SOCKET"] == "/run/extractedprism/handover.sock"
+    assert env["EP_STATE_FILE"] == "/var/lib/extractedprism/state.json"
+    assert config.enable_discovery
+    mounts = {m["mountPath"]: m for m in container(default_docs)["volumeMounts"]}
+    assert not mounts["/run/extractedprism"].get("readOnly")
+    spec = _pod_spec(default_docs)
+    types = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in spec["volumes"]
+             if "hostPath" in v}
+    assert types == {"/run/extractedprism": "DirectoryOrCreate",
+                     "/var/lib/extractedprism": "DirectoryOrCreate"}
+    # The kubelet creates them root-owned: an init container hands them to the proxy's uid
+    # with nothing but CAP_CHOWN.
+    (init,) = spec["initContainers"]
+    assert init["image"] == container(default_docs)["image"]
+    assert init["command"][-4:] == ["65534", "65534", "/run/extractedprism",
+                                    "/var/lib/extractedprism"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {m["mountPath"] for m in init["volumeMounts"]} == set(dirs)
+
+
+def test_admin_socket_is_on_a_per_pod_memory_volume(default_docs) -> None:
+    env = env_of(container(default_docs))
+    assert validate(flag_values(env)).admin_socket == "/run/extractedprism-admin/admin.sock"
+    volumes = {v["name"]: v for v in _pod_spec(default_docs)["volumes"]}
+    assert volumes["admin-socket"]["emptyDir"]["medium"] == "Memory"
+    mounts = {m["name"]: m for m in container(default_docs)["volumeMounts"]}
+    assert mounts["admin-socket"]["mountPath"] == "/run/extractedprism-admin"
+    # Off: no volume.
+    docs = render({"endpoints": ENDPOINTS, "adminSocket": ""})[0]
+    assert "admin-socket" not in {v["name"] for v in _pod_spec(docs)["volumes"]}
+    assert "EP_ADMIN_SOCKET" not in env_of(container(docs))
+    # Sharing a host directory would mount two volumes at one path.
+    with pytest.raises(h.HelmError, match=r"adminSocket .* needs a directory of its own"):
+        render({"endpoints": ENDPOINTS, "adminSocket": "/run/extractedprism/admin.sock"})
+
+
+def test_one_directory_for_socket_and_state_when_they_share_it() -> None:
+    docs = render({"endpoints": ENDPOINTS, "handoverSocket": "/var/lib/ep/h.sock",
+                   "stateFile": "/var/lib/ep/state.json"})[0]
+    assert _host_dirs(docs) == {"/var/lib/ep": "/var/lib/ep"}
+
+
+def test_the_init_container_really_hands_the_directories_over(tmp_path) -> None:
+    # Its script, run here as root (tests/deploy/test_image.py runs it in the image with
+    # CAP_CHOWN alone).
+    import os
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("handing a directory to uid 65534 needs root")
+    docs = render({"endpoints": ENDPOINTS})[0]
+    (init,) = _pod_spec(docs)["initContainers"]
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir(mode=0o755)
+    cmd = [sys.executable, *init["command"][1:], *[str(d) for d in dirs]]
+    cmd = [c for c in cmd if not c.startswith("/run/") and not c.startswith("/var/lib/")]
+    for _pod in ("first", "surge"):  # the surge pod finds them handed over already
+        subprocess.run(cmd, check=True, timeout=30)
+        for d in dirs:
+            st = d.stat()
+            assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (65534, 65534, 0o700)
+
+
+def test_without_discovery_no_state_file_and_no_api_access() -> None:
+    docs = render({"endpoints": ENDPOINTS, "enableDiscovery": False})[0]
+    assert sorted(d["kind"] for d in docs) == ["DaemonSet"]  # no SA, Role, RoleBinding
+    spec = _pod_spec(docs)
+    assert spec["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in spec
+    env = env_of(container(docs))
+    assert "EP_STATE_FILE" not in env  # the program would only warn that it ignores it
+    assert _host_dirs(docs) == {"/run/extractedprism": "/run/extractedprism"}
+
+
+def test_pod_template_carries_no_chart_version(default_docs) -> None:
+    # A chart bump that changes nothing in the pod must not roll the pod on every node.
+    labels = one(default_docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert "helm.sh/chart" not in labels
+    assert "app.kubernetes.io/version" not in labels
+    with h.Chart.load(CHART_DIR) as chart:
+        version = chart.metadata["version"]
+    template = json.dumps(one(default_docs, "DaemonSet")["spec"]["template"])
+    assert f"extractedprism-{version}" not in template
+    # The objects themselves still say which chart made them.
+    assert one(default_docs, "DaemonSet")["metadata"]["labels"]["helm.sh/chart"] == (
+        f"extractedprism-{version}")
 
 
 # --- RBAC ----------------------------------------------------------------------------------
@@ -259,6 +432,8 @@ def test_default_render_passes_the_program_defaults(default_docs) -> None:
     for flag in FLAGS:
         if flag.name == "endpoints":
             assert env[flag.env] == ",".join(ENDPOINTS)
+        elif flag.name in CHART_DEFAULT_ENV:
+            assert env[flag.env] == CHART_DEFAULT_ENV[flag.name], flag.env
         elif flag.default:
             assert env[flag.env] == flag.default, flag.env
         else:  # empty default: not rendered, so the program's own default applies
@@ -273,7 +448,12 @@ def test_every_flag_is_reachable_from_values() -> None:
     values.update({values_key(f): NON_DEFAULTS[f.name] for f in FLAGS})
     env = env_of(container(render(values)[0]))
     for flag in FLAGS:
+        if flag.name == "state-file":  # read only with discovery, so rendered only then
+            assert flag.env not in env
+            continue
         assert env.get(flag.env) == _as_env(NON_DEFAULTS[flag.name]), flag.env
+    with_discovery = env_of(container(render({**values, "enableDiscovery": True})[0]))
+    assert with_discovery["EP_STATE_FILE"] == NON_DEFAULTS["state-file"]
     # ... and the program accepts the result as a whole.
     config = validate(flag_values(env))
     assert config.max_connections == 1000000
@@ -334,7 +514,8 @@ def test_readyz_with_the_pods_own_service_account_needs_no_mount() -> None:
                    "healthCheckCaFile": f"{sa}/ca.crt", "healthCheckTokenFile": f"{sa}/token"})[0]
     env = env_of(container(docs))
     assert validate(flag_values(env)).health_check_token_file == f"{sa}/token"
-    assert "volumes" not in _pod_spec(docs)
+    volumes = _pod_spec(docs)["volumes"]
+    assert not [v for v in volumes if v["name"].startswith("readyz")]
 
 
 def test_pod_monitor_is_off_by_default_and_scrapes_the_health_port_when_on() -> None:
@@ -343,8 +524,14 @@ def test_pod_monitor_is_off_by_default_and_scrapes_the_health_port_when_on() -> 
     pm = one(docs, "PodMonitor")
     assert pm["apiVersion"] == "monitoring.coreos.com/v1"
     assert pm["metadata"]["labels"]["release"] == "prom"
-    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "health"
-    assert pm["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+    endpoint = pm["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["path"] == "/metrics"
+    # No declared ports: the address is the pod (node) IP and the health port.
+    relabel = {r["regex"]: r for r in endpoint["relabelings"]}
+    assert {r["targetLabel"] for r in relabel.values()} == {"__address__"}
+    assert all(r["sourceLabels"] == ["__meta_kubernetes_pod_ip"] for r in relabel.values())
+    assert relabel["([^:]+)"]["replacement"] == "$1:7446"
+    assert relabel["(.*:.*)"]["replacement"] == "[$1]:7446"
     ds_labels = one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
     assert pm["spec"]["selector"]["matchLabels"].items() <= ds_labels.items()
 
@@ -361,10 +548,11 @@ def test_render_without_endpoints_fails_with_a_clear_message(values) -> None:
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ({"healthCheck": "readyz"}, "healthCheck=readyz requires healthCheckCaFile"),
+    ({"healthCheck": "readyz", "enableDiscovery": False},
+     "--health-check=readyz requires --health-check-ca-file"),
     ({"healthCheckCertFile": "/c.pem"}, "must be set together"),
     ({"healthCheckKeyFile": "/k.pem"}, "must be set together"),
-    ({"bindPort": 7446}, "bindPort and healthPort must differ"),
+    ({"bindPort": 7446}, r"--bind-port \(7446\) and --health-port \(7446\) must differ"),
     ({"podMonitor": {"enabled": True}}, "podMonitor.enabled needs a health server"),
 ], ids=["readyz-no-ca", "cert-no-key", "key-no-cert", "same-ports", "podmonitor-loopback"])
 def test_render_time_checks_mirror_the_programs_validation(values, message) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from extractedprism.config import parse_duration
 from tests.deploy.helpers import (
     CONTAINERFILE,
     container,
@@ -198,10 +199,17 @@ def test_entrypoint_from_a_fresh_venv_serves_and_stops_cleanly(tmp_path: Path) -
         tmpdir.mkdir()
         before = _snapshot(venv)
 
+        chart_drain: list[str] = []
+
         def start(ports: list[int]) -> subprocess.Popen[str]:
             docs, _ = render({"endpoints": [upstream.address], "bindPort": ports[0],
                               "healthPort": ports[1]})
             chart_env = env_of(container(docs))
+            # The pod's per-pod emptyDir for the admin socket.
+            admin = Path(chart_env["EP_ADMIN_SOCKET"])
+            (tmp_path / "admin").mkdir(exist_ok=True)
+            chart_env["EP_ADMIN_SOCKET"] = str(tmp_path / "admin" / admin.name)
+            chart_drain[:] = [chart_env.get("EP_SHUTDOWN_DRAIN_TIMEOUT", "0s")]
             assert chart_env["EP_ENABLE_DISCOVERY"] == "true"  # the default, out of a cluster
             env = {**image_env, **chart_env, "HOME": str(run_dir), "TMPDIR": str(tmpdir)}
             return subprocess.Popen([str(entrypoint)], env=env, cwd=run_dir,
@@ -217,7 +225,10 @@ def test_entrypoint_from_a_fresh_venv_serves_and_stops_cleanly(tmp_path: Path) -
                 conn.settimeout(5)
                 assert conn.recv(64).startswith(b"apiserver"), "proxied to the test endpoint"
             proc.send_signal(signal.SIGTERM)
-            out, _ = proc.communicate(timeout=20)
+            # The chart's shutdown drain holds the process for its window, then the
+            # spec's shutdown takes up to 10 s.
+            drain = parse_duration(chart_drain[0]) if chart_drain else 0.0
+            out, _ = proc.communicate(timeout=drain + 20)
         finally:
             if proc.poll() is None:
                 proc.kill()

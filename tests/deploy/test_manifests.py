@@ -87,6 +87,14 @@ PODMONITOR_SCHEMA: dict[str, Any] = {
                     "type": "object", "additionalProperties": False, "properties": {
                         "port": {"type": "string"},
                         "path": {"type": "string"},
+                        "relabelings": {"type": "array", "items": {
+                            "type": "object", "additionalProperties": False, "properties": {
+                                "sourceLabels": {"type": "array", "items": {
+                                    "type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+                                "regex": {"type": "string"},
+                                "targetLabel": {"type": "string"},
+                                "replacement": {"type": "string"},
+                            }}},
                         "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
                         "interval": {"type": "string", "pattern": "^(0|(([0-9]+)(ms|s|m|h))+)$"},
                         "scrapeTimeout": {"type": "string",

@@ -100,6 +100,9 @@ class _Server:
         self._wake_r, self._wake_w = socket.socketpair()
         self._paused = False
         self._accepting = True
+        # Made here, not in the thread: a test that counts descriptors right after
+        # start() must already see it (it lives until the listener closes).
+        self._sel = selectors.DefaultSelector()
         self._accept_thread = threading.Thread(target=self._accept_loop,
                                                name=f"fake-{self.name}-accept", daemon=True)
         self._accept_thread.start()
@@ -211,7 +214,7 @@ class _Server:
     def _accept_loop(self) -> None:
         lst, wake = self._listener, self._wake_r
         assert lst is not None and wake is not None
-        with selectors.DefaultSelector() as sel:
+        with self._sel as sel:
             sel.register(wake, selectors.EVENT_READ)
             registered = False
             while self._accepting:

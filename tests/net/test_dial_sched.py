@@ -11,23 +11,24 @@ import time
 
 import pytest
 
-from extractedprism import gilcall, sched
+from extractedprism import sched
 from extractedprism.endpoints import Endpoint
 from extractedprism.sockopts import CONNECTION_SOCKOPTS, dial
 from tests.util import wait_until
 
 
-@pytest.mark.parametrize("libc", [True, False])
-def test_dial_returns_connected_nonblocking_socket_with_options(monkeypatch, libc):
-    if not libc:  # the stdlib fallback where the libc calls are unavailable
-        monkeypatch.setattr(gilcall, "AVAILABLE", False)
-    with socket.create_server(("127.0.0.1", 0)) as srv:
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_dial_returns_connected_nonblocking_socket_with_options(native, host):
+    # native: the relay extension's GIL-holding socket+options+connect; else the stdlib.
+    with socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host
+                              else socket.AF_INET) as srv:
         port = srv.getsockname()[1]
-        sock = dial(Endpoint("127.0.0.1", port), 2.0)
+        sock = dial(Endpoint(host, port), 2.0, native)
         with sock:
             peer, _ = srv.accept()
             with peer:
-                assert sock.getpeername() == ("127.0.0.1", port)
+                assert sock.getpeername()[:2] == (host, port)
                 assert not os.get_blocking(sock.fileno())
                 for level, name, value in CONNECTION_SOCKOPTS:
                     assert sock.getsockopt(level, name) == value
@@ -46,13 +47,28 @@ def _readable(sock: socket.socket) -> bool:
         return False
 
 
-def test_dial_refused_raises_connection_refused():
+@pytest.mark.parametrize("native", [True, False])
+def test_dial_refused_raises_connection_refused(native):
     # Bound but not listening: the kernel refuses, and the port stays ours meanwhile (a
     # port freed again could be taken by another process and accept the dial).
     with socket.socket() as bound:
         bound.bind(("127.0.0.1", 0))
         with pytest.raises(ConnectionRefusedError):
-            dial(Endpoint("127.0.0.1", bound.getsockname()[1]), 2.0)
+            dial(Endpoint("127.0.0.1", bound.getsockname()[1]), 2.0, native)
+
+
+def test_native_connect_leaves_odd_addresses_to_the_stdlib():
+    from extractedprism import sockopts
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        # A hostname's resolved address goes the native way; "localhost" itself would not
+        # parse as numeric and falls back, connecting all the same.
+        for host in ("127.0.0.1", "localhost"):
+            sock, err = sockopts.begin_connect(socket.AF_INET, (host, port), True)
+            assert sock is not None and err in (0, errno.EINPROGRESS)
+            sock.close()
+            srv.accept()[0].close()
 
 
 def test_dial_keeps_its_deadline_when_syns_go_unanswered():

@@ -31,7 +31,8 @@ def test_successor_takes_both_listeners_and_offers_next(make_app, servers, tmp_p
     # The same sockets: the same addresses, without a bind (the ports are in use).
     assert new.proxy_address == old.proxy_address
     assert new.health_address == old.health_address
-    wait_until(lambda: not old.proxy.acceptor_alive(), 5, message="the old one stops")
+    # The contract: the old one stops accepting within 1 s of handing over.
+    wait_until(lambda: not old.proxy.acceptor_alive(), 1.0, message="the old one stops")
     assert old.proxy.handed_over
     before = new.registry.snapshot().get(str(up.endpoint)).total_connections
     for _ in range(5):

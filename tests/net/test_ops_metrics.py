@@ -15,9 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from extractedprism import __version__
 from extractedprism.endpoints import Endpoint
 from extractedprism.registry import ProbeResult
-from tests.net.test_proxy import connect, whoami
 from tests.net.test_upstreams_doc import doc, when
-from tests.util import first_checks_recorded, http, wait_until
+from tests.util import connect, first_checks_recorded, http, wait_until, whoami
 
 
 def families(app: Any) -> dict[str, Any]:
@@ -64,8 +63,10 @@ def test_build_info(make_app, servers) -> None:
     assert fam.type == "gauge"
     (s,) = fam.samples
     assert s.value == 1
+    # --relay=auto with the extension built (pip install .): the native relay.
+    assert app.relay == "native"
     assert s.labels == {"version": __version__, "python": platform.python_version(),
-                        "relay": "python"}
+                        "relay": "native"}
 
 
 def test_dial_duration_observes_every_client_dial_not_health_checks(make_app, servers

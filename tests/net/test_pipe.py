@@ -10,6 +10,7 @@ import pytest
 
 from extractedprism import pipe as pipe_mod
 from extractedprism.pipe import Pipe
+from tests.util import wait_until
 
 
 def tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -34,8 +35,20 @@ def run_in_thread(target) -> None:  # type: ignore[no-untyped-def]
     assert not t.is_alive()
 
 
-@pytest.mark.parametrize("mode", ["splice", "buffer"])
-def test_bytes_stranded_by_a_dead_upstream_never_reach_the_next_connection(mode):
+# (relay, python loop's copy): the C extension, and the Python loop with splice and with
+# its buffer fallback.
+PATHS = [("native", "splice"), ("python", "splice"), ("python", "buffer")]
+PATH_IDS = ["native", "python", "python-buffer"]
+
+
+def make_pipe(client: socket.socket, upstream: socket.socket, path: tuple[str, str],
+              name: str = "c") -> Pipe:
+    relay, mode = path
+    return Pipe(client, upstream, client_addr=name, upstream_addr="u", relay=relay, mode=mode)
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_bytes_stranded_by_a_dead_upstream_never_reach_the_next_connection(path):
     """A write that fails after the read must not leave bytes in the thread's kernel pipe."""
     results: dict[str, bytes] = {}
 
@@ -46,7 +59,7 @@ def test_bytes_stranded_by_a_dead_upstream_never_reach_the_next_connection(mode)
         upstream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         upstream.close()
         client.sendall(b"STRANDED" * 1000)
-        Pipe(proxy_c, proxy_u, client_addr="c1", upstream_addr="u1", mode=mode).run()
+        make_pipe(proxy_c, proxy_u, path).run()
         client.close()
         # Connection 2 on the same pipe thread (same reusable kernel pipes).
         client, proxy_c = tcp_pair()
@@ -64,7 +77,7 @@ def test_bytes_stranded_by_a_dead_upstream_never_reach_the_next_connection(mode)
 
         reader = threading.Thread(target=drain_upstream, name="test-upstream-reader")
         reader.start()
-        Pipe(proxy_c, proxy_u, client_addr="c2", upstream_addr="u2", mode=mode).run()
+        make_pipe(proxy_c, proxy_u, path).run()
         reader.join(5)
         assert not reader.is_alive(), "the upstream never saw the client's EOF"
         results["got"] = got
@@ -75,7 +88,8 @@ def test_bytes_stranded_by_a_dead_upstream_never_reach_the_next_connection(mode)
     assert results["got"] == b"HELLO"
 
 
-def test_thread_pipes_are_reused_across_connections():
+@pytest.mark.parametrize("relay", ["native", "python"])
+def test_thread_pipes_are_reused_across_connections(relay):
     seen: list[object] = []
 
     def one_thread() -> None:
@@ -85,7 +99,7 @@ def test_thread_pipes_are_reused_across_connections():
             client.sendall(b"x")
             client.shutdown(socket.SHUT_WR)
             upstream.shutdown(socket.SHUT_WR)
-            Pipe(proxy_c, proxy_u, client_addr="c", upstream_addr="u", mode="splice").run()
+            make_pipe(proxy_c, proxy_u, (relay, "splice")).run()
             seen.append(pipe_mod._local.pipes)
             assert upstream.recv(10) == b"x"
             client.close()
@@ -93,3 +107,137 @@ def test_thread_pipes_are_reused_across_connections():
 
     run_in_thread(one_thread)
     assert seen[0] is seen[1] and seen[0] is not None
+
+
+def start_pipe(p: Pipe) -> threading.Thread:
+    """Run ``p`` on a thread that gives its kernel pipes back at the end, as pipe threads do."""
+    def pipe_thread() -> None:
+        try:
+            p.run()
+        finally:
+            pipe_mod.release_thread_resources()
+
+    t = threading.Thread(target=pipe_thread, name="test-pipe-run")
+    t.start()
+    return t
+
+
+def _reset_seen(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_reset_from_the_client_resets_the_upstream(path):
+    client, proxy_c = tcp_pair()
+    proxy_u, upstream = tcp_pair()
+    p = make_pipe(proxy_c, proxy_u, path)
+    t = start_pipe(p)
+    client.sendall(b"x" * 1000)
+    upstream.settimeout(5)
+    assert upstream.recv(1000)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+    t.join(5)
+    assert not t.is_alive()
+    assert _reset_seen(upstream)  # passed on as a reset, not a clean EOF
+    upstream.close()
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_close_from_another_thread_ends_a_busy_transfer(path):
+    """Pipe.close() (drains, readiness moves, shutdown) wakes the relay mid-transfer;
+    both peers see a reset; the relay's thread returns."""
+    client, proxy_c = tcp_pair()
+    proxy_u, upstream = tcp_pair()
+    p = make_pipe(proxy_c, proxy_u, path)
+    stop = threading.Event()
+
+    def pump_both() -> None:  # both directions busy, nobody reads the upstream's side
+        chunk = b"y" * 65536
+        client.setblocking(False)
+        while not stop.is_set():
+            try:
+                client.send(chunk)
+            except BlockingIOError:
+                stop.wait(0.001)
+            except OSError:
+                return
+
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            p.run()
+        finally:
+            pipe_mod.release_thread_resources()
+            done.set()
+
+    sender = threading.Thread(target=pump_both, name="test-sender")
+    relay = threading.Thread(target=run, name="test-pipe-run")
+    sender.start()
+    relay.start()
+    try:
+        wait_until(lambda: p.bytes_up > 1_000_000 or done.is_set(), 10)
+        assert not done.is_set()  # the upstream never reads: the relay is stuck on POLLOUT
+        p.close()
+        assert done.wait(5), "close() did not end the relay"
+        assert _reset_seen(upstream)
+    finally:
+        stop.set()
+        sender.join(5)
+        relay.join(5)
+        client.close()
+        upstream.close()
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_byte_counters_are_live_while_the_connection_runs(path):
+    client, proxy_c = tcp_pair()
+    proxy_u, upstream = tcp_pair()
+    p = make_pipe(proxy_c, proxy_u, path)
+    relay = start_pipe(p)
+    try:
+        client.sendall(b"u" * 300_000)
+        got = 0
+        upstream.settimeout(5)
+        while got < 300_000:
+            got += len(upstream.recv(65536))
+        upstream.sendall(b"d" * 5000)
+        # Read from this thread while the relay still blocks (no EOF yet on either side).
+        wait_until(lambda: (p.bytes_up, p.bytes_down) == (300_000, 5000), 5)
+        assert relay.is_alive()
+        client.shutdown(socket.SHUT_WR)
+        upstream.shutdown(socket.SHUT_WR)
+        relay.join(5)
+        assert not relay.is_alive()
+        assert (p.bytes_up, p.bytes_down) == (300_000, 5000)
+    finally:
+        client.close()
+        upstream.close()
+        relay.join(5)
+
+
+def test_native_relay_releases_the_gil():
+    """The native relay blocks without the GIL: another thread runs Python meanwhile."""
+    client, proxy_c = tcp_pair()
+    proxy_u, upstream = tcp_pair()
+    p = make_pipe(proxy_c, proxy_u, ("native", "splice"))
+    relay = start_pipe(p)
+    try:
+        spins = 0
+        t_end = threading.Event()
+        timer = threading.Timer(0.3, t_end.set)
+        timer.start()
+        while not t_end.is_set():
+            spins += 1
+        assert spins > 10_000 and relay.is_alive()
+    finally:
+        client.close()
+        upstream.close()
+        relay.join(5)

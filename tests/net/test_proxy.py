@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from extractedprism import gilcall
 from extractedprism import pipe as pipe_mod
 from extractedprism.endpoints import Endpoint
 from extractedprism.proxy import Proxy
@@ -45,35 +44,38 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-@pytest.mark.parametrize("mode", ["splice", "splice-gil", "splice-in", "buffer",
-                                  "buffer-gil"])
-def test_large_payload_both_ways_intact(make_app, servers, monkeypatch, mode):
-    # plain: the stdlib calls, which release the GIL; -gil: GIL-holding libc calls for
-    # every non-blocking syscall (EP_SYSCALLS=gil); -in: only for the read (=in).
-    mode, _, policy = mode.partition("-")
-    if policy:
-        assert gilcall.AVAILABLE
-        monkeypatch.setattr(pipe_mod, "_splice_in", gilcall.splice)
-        monkeypatch.setattr(pipe_mod, "_shutdown_write", gilcall.shutdown_write)
-        monkeypatch.setattr(pipe_mod, "_close", gilcall.close)
-        monkeypatch.setattr(pipe_mod, "_set_nonblocking", gilcall.set_nonblocking)
-        if policy == "gil":
-            monkeypatch.setattr(pipe_mod, "_splice_out", gilcall.splice)
-    monkeypatch.setattr(pipe_mod, "MODE", mode)
+# Every data-path test runs on both relays: the C extension and the Python loop (with
+# splice, and with its buffer copy, the fallback where splice or a kernel pipe is missing).
+RELAY_PATHS = ["native", "python", "python-buffer"]
+
+
+def relay_app(make_app, monkeypatch, path: str, endpoints, **kw):  # type: ignore[no-untyped-def]
+    relay, _, mode = path.partition("-")
+    if mode:
+        monkeypatch.setattr(pipe_mod, "HAVE_SPLICE", False)
+    app = make_app(endpoints, relay=relay, **kw)
+    assert app.relay == relay
+    return app
+
+
+@pytest.mark.parametrize("path", RELAY_PATHS)
+def test_large_payload_both_ways_intact(make_app, servers, monkeypatch, path):
     calls = collections.Counter()
+    real_splice, real_native = pipe_mod._splice, pipe_mod._native
 
-    def counting(name):  # type: ignore[no-untyped-def]
-        real = getattr(pipe_mod, name)
+    def counting_splice(*args):  # type: ignore[no-untyped-def]
+        calls["splice"] += 1
+        return real_splice(*args)
 
-        def call(*args):  # type: ignore[no-untyped-def]
-            calls[name] += 1
-            return real(*args)
-        return call
+    def counting_native(*args):  # type: ignore[no-untyped-def]
+        calls["native"] += 1
+        assert real_native is not None
+        return real_native(*args)
 
-    monkeypatch.setattr(pipe_mod, "_splice_in", counting("_splice_in"))
-    monkeypatch.setattr(pipe_mod, "_splice_out", counting("_splice_out"))
+    monkeypatch.setattr(pipe_mod, "_splice", counting_splice)
+    monkeypatch.setattr(pipe_mod, "_native", counting_native)
     (echo,) = servers(1, EchoServer)
-    app = make_app([echo.endpoint])
+    app = relay_app(make_app, monkeypatch, path, [echo.endpoint])
     payload = os.urandom(50 * 1024 * 1024)
     got = bytearray()
     with connect(app, timeout=30) as s:
@@ -90,19 +92,20 @@ def test_large_payload_both_ways_intact(make_app, servers, monkeypatch, mode):
         t.join(30)
     assert hashlib.sha256(got).digest() == hashlib.sha256(payload).digest()
     # The path under test really carried the bytes.
-    if mode == "splice":
-        assert calls["_splice_in"] > 100 and calls["_splice_out"] > 100
+    if path == "native":
+        assert calls == {"native": 1}
+    elif path == "python":
+        assert calls["splice"] > 100 and not calls["native"]
     else:
         assert not calls
     wait_until(lambda: connection_count(app.registry) == 0, 5)
 
 
-@pytest.mark.parametrize("mode", ["splice", "buffer"])
+@pytest.mark.parametrize("path", RELAY_PATHS)
 def test_half_close_propagates_and_rest_of_response_arrives(make_app, servers, monkeypatch,
-                                                             mode):
-    monkeypatch.setattr(pipe_mod, "MODE", mode)
+                                                             path):
     (echo,) = servers(1, EchoServer)
-    app = make_app([echo.endpoint])
+    app = relay_app(make_app, monkeypatch, path, [echo.endpoint])
     payload = os.urandom(300_000)
     with connect(app, timeout=10) as s:
         s.sendall(payload)
@@ -134,7 +137,8 @@ def scripted_upstream(handle: Callable[[socket.socket], None]) -> Iterator[Endpo
         t.join(5)
 
 
-def test_upstream_half_close_reaches_client(make_app):
+@pytest.mark.parametrize("path", RELAY_PATHS)
+def test_upstream_half_close_reaches_client(make_app, monkeypatch, path):
     # Upstream writes a greeting, closes its write side, and keeps reading.
     received = bytearray()
 
@@ -149,7 +153,7 @@ def test_upstream_half_close_reaches_client(make_app):
                 pass  # the health probe hangs up at once
 
     with scripted_upstream(handle) as ep:
-        app = make_app([ep])
+        app = relay_app(make_app, monkeypatch, path, [ep])
         with connect(app) as s:
             assert recv_exact(s, 4) == b"bye"  # then EOF
             s.sendall(b"still talking")
@@ -157,7 +161,8 @@ def test_upstream_half_close_reaches_client(make_app):
             wait_until(lambda: bytes(received) == b"still talking", 5)
 
 
-def test_reset_from_upstream_closes_client(make_app):
+@pytest.mark.parametrize("path", RELAY_PATHS)
+def test_reset_from_upstream_closes_client(make_app, monkeypatch, path):
     resets = []
 
     def handle(conn: socket.socket) -> None:
@@ -167,7 +172,7 @@ def test_reset_from_upstream_closes_client(make_app):
         conn.close()  # RST when data was received (linger 0), else a plain close (probe)
 
     with scripted_upstream(handle) as ep:
-        app = make_app([ep])
+        app = relay_app(make_app, monkeypatch, path, [ep])
         with connect(app) as s:
             s.sendall(b"hello")
             s.settimeout(5)

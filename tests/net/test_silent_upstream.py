@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
+
 from extractedprism.endpoints import Endpoint
 from tests.fakes.upstream import EchoServer
 
@@ -19,7 +21,8 @@ def _errors(app, addr: str) -> float:  # type: ignore[no-untyped-def]
     return v or 0.0
 
 
-def test_silent_upstream_is_skipped_within_one_dial_timeout(make_app, servers):
+@pytest.mark.parametrize("relay", ["native", "python"])  # the check runs in C or Python
+def test_silent_upstream_is_skipped_within_one_dial_timeout(make_app, servers, relay):
     (good,) = servers(1, EchoServer)
     # Listens, never accepts: connects succeed, nothing ever answers.
     with socket.create_server(("127.0.0.1", 0), backlog=128) as frozen:
@@ -27,7 +30,7 @@ def test_silent_upstream_is_skipped_within_one_dial_timeout(make_app, servers):
         # Health checks far apart: only client connections judge the silent one (a TCP
         # check would pass anyway).
         app = make_app([Endpoint("127.0.0.1", good.port), silent], health_interval=60.0,
-                       health_timeout=DIAL_TIMEOUT)
+                       health_timeout=DIAL_TIMEOUT, relay=relay)
         waits = []
         for i in range(60):
             msg = f"hello {i}\n".encode()

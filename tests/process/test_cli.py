@@ -272,7 +272,7 @@ def test_env_configuration_runs_and_sigusr1_dumps_threads(upstream):
         for n in names:
             assert f": {n}" in text, f"{n} not in {text}"
         # 64 pre-started pipe threads, most parked in one place: one group, one stack.
-        assert re.search(r"^--- 6\d threads: pipe-idle-\* in _park ", text, re.M), text
+        assert re.search(r"^--- 6\d threads: pipe-idle-\* parked in _park ", text, re.M), text
         assert text.count("_worker_loop") < 5
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0

@@ -3,15 +3,18 @@ shutdown drain, the spec's shutdown with --shutdown-drain-timeout=0, SIGHUP."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import stat
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.fakes.fake_apiserver import make_slice
 from tests.fakes.upstream import IdentityServer
 from tests.logcheck import parse_logfmt
 from tests.process.lifecycle import (
@@ -23,7 +26,7 @@ from tests.process.lifecycle import (
     proxy_args,
     start_first,
 )
-from tests.util import run_cli, wait_until
+from tests.util import http, run_cli, start_on_free_ports, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,7 +165,8 @@ def test_drain_zero_is_the_spec_shutdown(upstream):
         times = sorted(held.closed_at.values())
         assert times[-1] - times[0] < 1.0, [t - t_term for t in times]
         assert "shutdown drain" not in proc.log
-        closes = [r for r in parse_logfmt(proc.log) if r["msg"] == "shutdown: force-closed connections"]
+        closes = [r for r in parse_logfmt(proc.log)
+                  if r["msg"] == "shutdown: force-closed connections"]
         assert [r["count"] for r in closes] == ["20"], closes
     finally:
         held.close()
@@ -199,3 +203,105 @@ def test_bad_static_endpoints_mode_exits_2():
     res = run_cli("--endpoints", "10.0.0.1:6443", "--static-endpoints=sometimes")
     assert res.returncode == 2
     assert "--static-endpoints (sometimes)" in res.stderr and "always, fallback" in res.stderr
+
+
+def _upstreams(health: int) -> dict[str, dict]:
+    try:
+        doc = json.loads(http(("127.0.0.1", health), "/upstreams", timeout=2)[2])
+    except (OSError, ValueError):
+        return {}
+    return {u["address"]: u for u in doc["upstreams"]}
+
+
+def _start_discovering(args: list[str]) -> tuple[Proc, int, int]:
+    made: list[Proc] = []
+
+    def start(ports: list[int]) -> subprocess.Popen[str]:
+        made.append(Proc(["--bind-port", str(ports[0]), "--health-port", str(ports[1]),
+                          "--health-interval", "2s", "--health-timeout", "1s", *args]))
+        return made[-1].popen
+
+    popen, (bind, health) = start_on_free_ports(start, lambda ps: healthz_ok(ps[1]))
+    for other in made[:-1]:
+        other.reap()
+    if popen.poll() is not None:
+        made[-1].reap()
+        raise AssertionError(f"exited {popen.returncode}: {made[-1].log}")
+    return made[-1], bind, health
+
+
+@pytest.mark.fd_leak_ok("the fake API server's watch connections close with its threads")
+def test_state_file_across_a_real_restart(api, tmp_path: Path):
+    a = IdentityServer(name="a").start()
+    b = IdentityServer(name="b").start()
+    c = IdentityServer(name="c").start()
+    state = tmp_path / "state.json"
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    common = ["--enable-discovery=true", "--kubeconfig", str(kubeconfig),
+              "--state-file", str(state), "--drain-timeout", "1s"]
+    api.set_slice(make_slice("kubernetes", ["127.0.0.1"], port=b.port))
+    procs: list[Proc] = []
+    try:
+        first, _, _ = _start_discovering(["--endpoints", a.address, *common])
+        procs.append(first)
+        wait_until(lambda: state.exists() and b.address in state.read_text(), 20,
+                   message="the discovered endpoint on disk")
+        first.signal(signal.SIGTERM)
+        assert first.wait(10) == 0
+        # Next start: the static endpoint is gone and the API server does not answer
+        # lists yet; the cache alone leads to b.
+        api.fail("list", 500, count=None)
+        second, bind, health = _start_discovering(["--endpoints", "127.0.0.1:1", *common])
+        procs.append(second)
+        ups = _upstreams(health)
+        assert ups[b.address]["source"] == ["cache"]
+        names = set()
+        for _ in range(20):
+            try:
+                with socket.create_connection(("127.0.0.1", bind), timeout=2) as s:
+                    s.settimeout(2)
+                    names.add(s.recv(2))
+            except OSError:
+                pass
+        assert b"b\n" in names
+        # Discovery's first list replaces the cache: b drains away, c arrives.
+        api.set_slice(make_slice("kubernetes", ["127.0.0.1"], port=c.port))
+        api.clear_failures()
+        wait_until(lambda: c.address in _upstreams(health)
+                   and b.address not in _upstreams(health), 30,
+                   message="the cache dropped after discovery's first list")
+        assert _upstreams(health)[c.address]["source"] == ["kubernetes"]
+        wait_until(lambda: c.address in state.read_text(), 10, message="rewritten")
+        second.signal(signal.SIGTERM)
+        assert second.wait(10) == 0
+    finally:
+        for p in procs:
+            p.reap()
+        for s in (a, b, c):
+            s.stop()
+
+
+@pytest.mark.fd_leak_ok("the fake API server's dripping list connection ends with its thread")
+def test_sigterm_exits_within_6s_with_a_list_call_stuck(api, upstream, tmp_path: Path):
+    # Discovery straight to the API server (a kubeconfig), whose list answers one byte
+    # every 0.5 s: the watcher thread sits in the read at SIGTERM. It is abandoned at
+    # the shared deadline, not waited for after it.
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    api.drip_next_list(0.5)
+    proc, bind, _ = _start_discovering(["--endpoints", upstream.address,
+                                        "--enable-discovery=true", "--kubeconfig",
+                                        str(kubeconfig)])
+    try:
+        wait_until(lambda: api.list_requests(), 10, message="a list call in flight")
+        held = HeldConnections(bind, 5, GREETING)
+        try:
+            t0 = time.monotonic()
+            proc.signal(signal.SIGTERM)
+            assert proc.wait(SHUTDOWN_BOUND_S + 5) == 0
+            assert time.monotonic() - t0 < SHUTDOWN_BOUND_S
+            wait_until(held.all_closed, 5, message="connections force-closed")
+        finally:
+            held.close()
+        assert "thread=watcher" in proc.log  # abandoned, and said so
+    finally:
+        proc.reap()

@@ -173,3 +173,84 @@ def test_health_server_does_not_spin_when_out_of_descriptors():
         proc.wait(10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+def _echoes(s: socket.socket, payload: bytes) -> bool:
+    try:
+        s.sendall(payload)
+        got = bytearray()
+        while len(got) < len(payload):
+            chunk = s.recv(65536)
+            if not chunk:
+                return False
+            got += chunk
+        return bytes(got) == payload
+    except OSError:
+        return False
+
+
+def _fds(pid: int) -> dict[int, str]:
+    out = {}
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("relay", ["native", "python"])
+def test_connections_keep_relaying_while_out_of_descriptors(relay):
+    """EMFILE while relaying: with the descriptor limit lowered under a running proxy so
+    that a new connection gets its two sockets but no kernel pipe, that connection takes
+    the buffer copy, every live connection keeps copying intact, and once the limit is
+    back new connections are served with kernel pipes again."""
+    from tests.fakes.upstream import EchoServer
+
+    up = EchoServer(name="echo").start()
+    # A long health interval: no probe takes a descriptor while the limit is tight.
+    proc, bind, _health = spawn(up.address, "--relay", relay, "--health-interval", "60s")
+    held: list[socket.socket] = []
+    try:
+        for i in range(5):
+            s = socket.create_connection(("127.0.0.1", bind), timeout=5)
+            s.settimeout(5)
+            held.append(s)
+            assert _echoes(s, b"hello %d" % i)
+        before = _fds(proc.pid)
+        pipes_before = sum(v.startswith("pipe:") for v in before.values())
+        # The lowest limit under which exactly three descriptor numbers are free: the
+        # client's socket, the upstream's, and the one the acceptor's next accept4()
+        # reserves while it waits (Linux takes the number before blocking).
+        limit, free = 0, 0
+        while free < 3 or limit in before:
+            free += limit not in before
+            limit += 1
+        _soft, hard = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (limit, hard))
+        s = socket.create_connection(("127.0.0.1", bind), timeout=5)
+        s.settimeout(5)
+        held.append(s)
+        assert _echoes(s, b"no kernel pipe for me")
+        after = _fds(proc.pid)
+        assert sum(v.startswith("pipe:") for v in after.values()) == pipes_before
+        assert len(after) == len(before) + 2  # its two sockets, and no kernel pipe
+        payload = os.urandom(200_000)
+        for s in held:  # every live connection carries bytes both ways, intact
+            assert _echoes(s, payload)
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (4096, hard))
+        with socket.create_connection(("127.0.0.1", bind), timeout=5) as s:
+            s.settimeout(5)
+            assert _echoes(s, payload)
+            # This one got a thread with kernel pipes again.
+            wait_until(lambda: sum(v.startswith("pipe:") for v in _fds(proc.pid).values())
+                       == pipes_before + 4, 5)
+        assert proc.poll() is None
+    finally:
+        for s in held:
+            s.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        up.stop()
+    assert proc.returncode == 0

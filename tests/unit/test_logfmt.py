@@ -127,3 +127,18 @@ def test_json_is_one_object_per_line():
     text = line(record("a\nb upstream=%s", "x"), "json")
     assert "\n" not in text
     assert json.loads(text)["upstream"] == "x"
+
+
+@given(st.floats(min_value=0, max_value=4e9))
+def test_timestamp_matches_datetimes_own_rfc3339(created):
+    import datetime
+
+    from extractedprism.logfmt import rfc3339
+
+    whole_ms = int(created * 1000) / 1000
+    expected = datetime.datetime.fromtimestamp(int(created * 1000) // 1000).astimezone()
+    want = expected.isoformat()[:19] + f".{int(created * 1000) % 1000:03d}" + \
+        expected.isoformat()[19:]
+    assert rfc3339(created) == want
+    assert datetime.datetime.fromisoformat(rfc3339(created)).timestamp() == \
+        pytest.approx(whole_ms, abs=0.0011)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from extractedprism.endpoints import Endpoint, parse_endpoint
-from extractedprism.merge import Merger
+from extractedprism.merge import Merger, Roles
 from extractedprism.metrics import Metrics
 from tests.util import sample
 
@@ -22,11 +23,17 @@ def eps(*texts: str) -> list[Endpoint]:
 Setup = tuple[Merger, list[list[Endpoint]], Metrics]
 
 
+def _appender(applied: list[list[Endpoint]]) -> Callable[[list[Endpoint], Roles], None]:
+    def apply(endpoints: list[Endpoint], roles: Roles) -> None:
+        applied.append(endpoints)
+    return apply
+
+
 @pytest.fixture
 def setup() -> Setup:
     applied: list[list[Endpoint]] = []
     metrics = Metrics()
-    return Merger(applied.append, metrics), applied, metrics
+    return Merger(_appender(applied), metrics), applied, metrics
 
 
 def test_static_then_kubernetes_deduped(setup: Setup) -> None:

@@ -232,10 +232,39 @@ def test_zero_drain_closes_unready_at_once():
 
 def test_least_conn_counts_dials_in_flight():
     reg, *_ = make(selection="least-conn")
-    picks = [str(reg.pick()) for _ in range(3)]  # none attached yet
-    assert sorted(picks) == [A, B, C]
-    reg.abandon(A)
-    assert str(reg.pick()) == A
+    held = [reg.reserve() for _ in range(3)]  # none attached yet
+    assert sorted(r.address for r in held if r) == [A, B, C]
+    a = next(r for r in held if r and r.address == A)
+    reg.abandon(a)
+    reg.abandon(a)  # twice is once
+    assert reg.pick() == EPS[0]
+    res = reg.reserve()
+    assert res is not None and res.address == A
+    assert reg.attach(res, Conn("c"))
+    res.release()  # after attach: nothing left to release
+    b = next(r for r in held if r and r.address == B)
+    b.release()
+    assert reg.pick() == EPS[1]  # A: one connection, B: none, C: one dial in flight
+
+
+def test_a_reservation_cannot_leak_on_an_exception():
+    reg, *_ = make(selection="least-conn")
+    with pytest.raises(RuntimeError), reg.reserve(exclude=[B, C]) as res:
+        assert res.address == A
+        raise RuntimeError("dial blew up")
+    # A is not counted any more: the next pick among A and B ties, not B always.
+    assert {reg.pick(exclude=[C]) for _ in range(60)} == {EPS[0], EPS[1]}
+
+
+def test_panic_dials_are_counted_for_least_conn():
+    reg, *_ = make(selection="least-conn")
+    res = reg.reserve_endpoint(EPS[0])
+    assert res is not None
+    # A panic-mode dial in flight to A steers a concurrent pick elsewhere.
+    assert all(reg.pick(exclude=[C]) == EPS[1] for _ in range(20))
+    assert reg.attach(res, Conn("c"))
+    assert all(reg.pick(exclude=[C]) == EPS[1] for _ in range(20))
+    assert reg.reserve_endpoint(Endpoint("10.9.9.9", 1)) is None  # unknown
 
 
 def test_latency_tiers_from_probes():
@@ -386,3 +415,16 @@ def test_latency_issue_12_example_new_fast_upstream_shares_tier_zero():
     snap = reg.snapshot()
     assert (snap.get(C).tier, snap.get(A).tier, snap.get(B).tier) == (0, 0, 1)
     assert {str(reg.pick()) for _ in range(200)} == {A, C}
+
+
+def test_attaching_a_reservation_counts_its_dial_as_a_success():
+    reg, *_ = make()
+    reg.record_dial(A, False, "refused")  # streak 1 of 2
+    res = reg.reserve(exclude=[B, C])
+    assert res is not None and res.address == A
+    assert reg.attach(res, Conn("c"))  # the dial that carries it succeeded: streak reset
+    reg.record_dial(A, False, "refused")
+    assert reg.snapshot().get(A).healthy  # 1 of 2 again, not 2 of 2
+    assert reg.attach(A, Conn("d"))  # a plain address records no dial
+    reg.record_dial(A, False, "refused")
+    assert not reg.snapshot().get(A).healthy

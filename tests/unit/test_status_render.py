@@ -12,6 +12,7 @@ NOW = datetime.datetime(2026, 12, 1, 18, 30, 0, tzinfo=datetime.UTC)
 def test_full_document_from_the_extended_upstreams():
     doc = {
         "version": "1.2.3", "relay": "native", "panic": False,
+        "started": "2026-12-01T18:00:00.000+00:00",
         "connections_active": 3, "max_connections": 4096,
         "discovery": {"enabled": True, "connected": True, "last_event": None,
                       "last_error": ""},
@@ -23,19 +24,20 @@ def test_full_document_from_the_extended_upstreams():
             {"address": "10.0.0.2:6443", "source": ["kubernetes"], "state": "admin-drain",
              "ready": False, "tier": None, "rtt_seconds": None, "active": 0, "total": 2,
              "since": "2026-12-01T16:00:00.000+00:00",
-             "last_check_error": "connection refused", "last_error_source": "dial"},
+             "last_check_error": "connection refused", "last_error_source": "dial",
+             "admin": {"action": "drain", "uid": 0, "at": "2026-12-01T17:00:00.000+00:00"}},
         ],
     }
     lines = render(doc, True, NOW).splitlines()
     assert lines[0].split()[:3] == ["ADDRESS", "SOURCE", "STATE"]
     one = lines[1].split()
-    assert one[:8] == ["10.0.0.1:6443", "static,kubernetes", "healthy", "yes", "0",
-                       "1.2ms", "3/40", "4m04s"]
-    assert lines[2].split()[:8] == ["10.0.0.2:6443", "kubernetes", "admin-drain", "no",
-                                    "-", "-", "0/2", "2h30m"]
+    assert one == ["10.0.0.1:6443", "static,kubernetes", "healthy", "yes", "0",
+                   "1.2ms", "3/40", "4m04s", "-", "-"]
+    assert lines[2].split()[:9] == ["10.0.0.2:6443", "kubernetes", "admin-drain", "no",
+                                    "-", "-", "0/2", "2h30m", "drain(uid=0)"]
     assert lines[2].endswith("connection refused (dial)")
     assert lines[3] == ("ready: 1/2 upstreams healthy, 1/2 ready, 3 connections (max 4096), "
-                        "discovery connected, relay native, version 1.2.3")
+                        "discovery connected, relay native, version 1.2.3, up 30m00s")
 
 
 def test_todays_document_and_missing_fields():
@@ -45,8 +47,8 @@ def test_todays_document_and_missing_fields():
         {"address": "b:1"},
     ], "panic": True}
     lines = render(doc, False, NOW).splitlines()
-    assert lines[1].split() == ["a:1", "-", "draining", "-", "-", "-", "1/5", "-", "-"]
-    assert lines[2].split() == ["b:1", "-", "-", "-", "-", "-", "-", "-", "-"]
+    assert lines[1].split() == ["a:1", "-", "draining", "-", "-", "-", "1/5", "-", "-", "-"]
+    assert lines[2].split() == ["b:1", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
     assert lines[3].startswith("NOT READY: 0/2 upstreams healthy")
     assert "PANIC" in lines[3]
 

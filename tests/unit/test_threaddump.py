@@ -27,11 +27,11 @@ def test_identical_stacks_are_one_group_with_the_stack_written_once():
                    message="all 13 threads parked in the same frame")
         text, n, groups = grouped_dump(threads=threads)
         assert (n, groups) == (12, 1)
-        assert "--- 12 threads: pipe-idle-* in " in text
+        assert "--- 12 threads: pipe-idle-* parked in " in text
         assert text.count("self.go.wait(30)") == 1
         text, n, groups = grouped_dump(threads=[*threads, other])
         # Mixed names: the common prefix says nothing, so a small group lists them.
-        assert "--- 13 threads: * in " in text
+        assert "--- 13 threads: * parked in " in text
         assert text.count("self.go.wait(30)") == 1
     finally:
         p.go.set()
@@ -47,7 +47,8 @@ def test_distinct_stacks_are_distinct_groups():
         wait_until(lambda: "self.go.wait(30)" in grouped_dump(threads=[t])[0], 10)
         text, n, groups = grouped_dump(threads=[t, threading.current_thread()])
         assert (n, groups) == (2, 2)
-        assert "--- 1 thread: parked in " in text and "--- 1 thread: MainThread in " in text
+        assert "--- 1 thread: parked parked in " in text
+        assert "--- 1 thread: MainThread in grouped_dump" in text  # running, not parked
     finally:
         p.go.set()
         t.join()

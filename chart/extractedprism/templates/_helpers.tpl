@@ -34,11 +34,113 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/component: apiserver-proxy
 {{- end -}}
 
+{{/*
+Pod template labels: no chart version and no app version, so a chart bump that changes
+nothing in the pod does not roll the pod on every node (the image reference still does).
+*/}}
+{{- define "extractedprism.podLabels" -}}
+{{ include "extractedprism.selectorLabels" . }}
+app.kubernetes.io/component: apiserver-proxy
+{{- end -}}
+
+{{/*
+Discovery needs the API: a ServiceAccount, its token and the Role. With discovery off the
+pod gets none of them (empty output means "off").
+*/}}
+{{- define "extractedprism.discovery" -}}
+{{- if .Values.enableDiscovery -}}true{{- end -}}
+{{- end -}}
+
 {{- define "extractedprism.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "extractedprism.fullname" .) .Values.serviceAccount.name -}}
 {{- else -}}
 {{- required "serviceAccount.name is required when serviceAccount.create=false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The pod's own service-account CA: verifies the API servers for the readyz check. */}}
+{{- define "extractedprism.saCaFile" -}}
+/var/run/secrets/kubernetes.io/serviceaccount/ca.crt
+{{- end -}}
+
+{{/*
+The health check actually used: the value, or when empty readyz with discovery (a frozen API
+server still accepts TCP; only readyz notices) and tcp without (no token, no CA file).
+*/}}
+{{- define "extractedprism.healthCheck" -}}
+{{- if .Values.healthCheck -}}
+{{- .Values.healthCheck -}}
+{{- else if .Values.enableDiscovery -}}
+readyz
+{{- else -}}
+tcp
+{{- end -}}
+{{- end -}}
+
+{{/* The CA file actually used: the value, or the pod's service-account CA for readyz with discovery. */}}
+{{- define "extractedprism.healthCheckCaFile" -}}
+{{- if .Values.healthCheckCaFile -}}
+{{- .Values.healthCheckCaFile -}}
+{{- else if and .Values.enableDiscovery (eq (include "extractedprism.healthCheck" .) "readyz") -}}
+{{- include "extractedprism.saCaFile" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The state file is read only with discovery (the program warns otherwise): render it only then. */}}
+{{- define "extractedprism.stateFile" -}}
+{{- if .Values.enableDiscovery -}}
+{{- .Values.stateFile -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Host directories shared by successive pods of one node: the handover socket's (the new pod
+takes the listeners from the old one through it) and the state file's. A list of paths,
+without duplicates, as JSON.
+*/}}
+{{- define "extractedprism.hostDirs" -}}
+{{- $dirs := list -}}
+{{- range (list .Values.handoverSocket (include "extractedprism.stateFile" .)) -}}
+{{- if . -}}
+{{- $dirs = append $dirs (dir .) -}}
+{{- end -}}
+{{- end -}}
+{{- $dirs | uniq | toJson -}}
+{{- end -}}
+
+{{/*
+A Go duration (the schema admits only those) or bare seconds -> seconds, as a float string.
+Helm has no duration parser, so the units are summed here the way the program does.
+*/}}
+{{- define "extractedprism.seconds" -}}
+{{- $s := toString . | trim -}}
+{{- $units := dict "ns" 1e-9 "us" 1e-6 "µs" 1e-6 "ms" 1e-3 "s" 1.0 "m" 60.0 "h" 3600.0 -}}
+{{- $total := 0.0 -}}
+{{- if regexMatch "^[0-9]+(\\.[0-9]*)?$" $s -}}
+{{- $total = float64 $s -}}
+{{- else -}}
+{{- range regexFindAll "([0-9]+(\\.[0-9]*)?|\\.[0-9]+)(ns|us|µs|ms|s|m|h)" $s -1 -}}
+{{- $num := regexFind "^[0-9.]+" . -}}
+{{- $unit := trimPrefix $num . -}}
+{{- $total = addf $total (mulf (float64 $num) (get $units $unit)) -}}
+{{- end -}}
+{{- end -}}
+{{- $total -}}
+{{- end -}}
+
+{{/*
+terminationGracePeriodSeconds: the value, or (empty) the shutdown drain window plus the
+program's own shutdown budget (5 s proxy + 5 s health server) and a margin.
+*/}}
+{{- define "extractedprism.terminationGrace" -}}
+{{- $drain := include "extractedprism.seconds" .Values.shutdownDrainTimeout | float64 -}}
+{{- if kindIs "invalid" .Values.terminationGracePeriodSeconds -}}
+{{- addf (ceil $drain) 15 | int64 -}}
+{{- else if eq (toString .Values.terminationGracePeriodSeconds) "" -}}
+{{- addf (ceil $drain) 15 | int64 -}}
+{{- else -}}
+{{- int64 .Values.terminationGracePeriodSeconds -}}
 {{- end -}}
 {{- end -}}
 
@@ -69,7 +171,7 @@ with a usable message when none are given: the proxy cannot start without them.
 {{- end -}}
 {{- $items = compact $items -}}
 {{- if not $items -}}
-{{- fail "endpoints is required: set the API servers this proxy forwards to, e.g. --set 'endpoints={10.0.0.1:6443,10.0.0.2:6443,10.0.0.3:6443}'" -}}
+{{- fail "extractedprism: invalid configuration: --endpoints is required: give a comma-separated list of API server host:port pairs (values: endpoints is required, e.g. --set 'endpoints={10.0.0.1:6443,10.0.0.2:6443,10.0.0.3:6443}')" -}}
 {{- end -}}
 {{- join "," $items -}}
 {{- end -}}
@@ -121,6 +223,13 @@ health-check-server-name: healthCheckServerName
 kubeconfig: kubeconfig
 max-connections: maxConnections
 pipe-sched: pipeSched
+relay: relay
+dial-hedge-delay: dialHedgeDelay
+handover-socket: handoverSocket
+shutdown-drain-timeout: shutdownDrainTimeout
+state-file: stateFile
+static-endpoints: staticEndpoints
+log-format: logFormat
 admin-socket: adminSocket
 {{- end -}}
 
@@ -138,6 +247,12 @@ admin-socket: adminSocket
 {{- $value := index $.Values $key -}}
 {{- if eq $key "endpoints" -}}
 {{- $value = include "extractedprism.endpoints" $ -}}
+{{- else if eq $key "healthCheck" -}}
+{{- $value = include "extractedprism.healthCheck" $ -}}
+{{- else if eq $key "healthCheckCaFile" -}}
+{{- $value = include "extractedprism.healthCheckCaFile" $ -}}
+{{- else if eq $key "stateFile" -}}
+{{- $value = include "extractedprism.stateFile" $ -}}
 {{- else if kindIs "bool" $value -}}
 {{- $value = ternary "true" "false" $value -}}
 {{- else if has $key $intKeys -}}
@@ -150,29 +265,6 @@ admin-socket: adminSocket
 {{- if ne $value "" }}
 - name: {{ $env }}
   value: {{ $value | quote }}
-{{- end -}}
-{{- end -}}
-{{- end -}}
-
-{{/* Render-time checks that mirror the program's validation, so a bad install fails at helm time. */}}
-{{- define "extractedprism.validate" -}}
-{{- $_ := include "extractedprism.endpoints" . -}}
-{{- if and (eq .Values.healthCheck "readyz") (not .Values.healthCheckCaFile) -}}
-{{- fail "healthCheck=readyz requires healthCheckCaFile (e.g. /var/run/secrets/kubernetes.io/serviceaccount/ca.crt)" -}}
-{{- end -}}
-{{- if and .Values.healthCheckCertFile (not .Values.healthCheckKeyFile) -}}
-{{- fail "healthCheckCertFile and healthCheckKeyFile must be set together (healthCheckKeyFile is empty)" -}}
-{{- end -}}
-{{- if and .Values.healthCheckKeyFile (not .Values.healthCheckCertFile) -}}
-{{- fail "healthCheckCertFile and healthCheckKeyFile must be set together (healthCheckCertFile is empty)" -}}
-{{- end -}}
-{{- if eq (int64 .Values.bindPort) (int64 .Values.healthPort) -}}
-{{- fail "bindPort and healthPort must differ" -}}
-{{- end -}}
-{{- if .Values.podMonitor.enabled -}}
-{{- $addr := include "extractedprism.healthAddress" . -}}
-{{- if or (hasPrefix "127." $addr) (eq $addr "::1") (eq $addr "localhost") -}}
-{{- fail (printf "podMonitor.enabled needs a health server Prometheus can reach, but it listens on %s: set healthBindAddress (e.g. 0.0.0.0)" $addr) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

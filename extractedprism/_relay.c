@@ -1,0 +1,341 @@
+/* _relay: the native byte relay of one connection (pipe.py's fallback is the Python loop).
+ *
+ * relay(client_fd, upstream_fd, pipes, counters) -> (errno, left_up, left_down, first_eof)
+ *
+ * Copies both directions between two connected sockets until both are done, with the
+ * GIL released for the whole call, exactly as a blocking socket.sendfile() would: the
+ * pipe thread that called it sleeps in poll() and no other thread has to hand it the
+ * GIL for every readiness event (docs/performance.md, issue 16).
+ *
+ *   pipes     (up_r, up_w, down_r, down_w): the calling thread's two non-blocking
+ *             kernel pipes, reused across its connections; bytes go socket -> pipe ->
+ *             socket with splice(), never through user space.
+ *   counters  a writable buffer of two aligned uint64 (bytes client->upstream,
+ *             upstream->client), updated live so other threads can read them.
+ *
+ * Returns errno 0 when both directions ended with EOF (each passed on with
+ * shutdown(SHUT_WR) after the bytes read before it were written), else the errno of
+ * the first failure (a reset, say): the caller then resets both peers (SO_LINGER 0).
+ * left_up/left_down are the bytes still in each kernel pipe: nonzero means the caller
+ * must drop those pipes, or the thread's next connection would receive them.
+ * first_eof: which side said EOF first (1 client, 2 upstream, 0 neither), for the
+ * connection's close log line.
+ * Another thread ends the call by shutting either socket down (shutdown(SHUT_RDWR)
+ * wakes poll: reads see EOF, writes fail). The caller owns and closes both sockets;
+ * this only makes them O_NONBLOCK (Python's socket objects are not told; the caller
+ * does no blocking I/O on them afterwards).
+ *
+ * Two small helpers keep the GIL on purpose: every GIL release is a chance for one of
+ * dozens of busy pipe threads to take it, and winning it back costs a context switch.
+ * They only make calls that cannot block:
+ *
+ * connect(family, host, port, options) -> (fd, errno)
+ *   a non-blocking TCP socket with the options set, its connect started (errno 0:
+ *   connected already, EINPROGRESS, or the failure: then fd is already closed and -1).
+ * close_pair(fd1, fd2, reset): close both (SO_LINGER 0 first when reset, so each peer
+ *   gets a reset); close() of a socket without a lingering wait returns at once.
+ *
+ * first_answer(client_fd, upstream_fd, timeout_ms, first) -> (answered, first): proxy.py's
+ * silent-upstream check (see Proxy._first_answer) in one call with the GIL released:
+ * wait for the client's first bytes (unless ``first`` is given: a silent upstream had
+ * them), send them on, and give the upstream ``timeout_ms`` to answer or close.
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CHUNK (64 * 1024)
+#define SPLICE_FLAGS (SPLICE_F_MOVE | SPLICE_F_NONBLOCK)
+/* Reported whatever was asked for; the next splice on that fd says what happened. */
+#define WOKE (POLLERR | POLLHUP | POLLNVAL)
+
+/* One direction, src -> dst. */
+struct half {
+    int src, dst;         /* sockets */
+    int pipe_r, pipe_w;   /* this direction's kernel pipe */
+    size_t pending;       /* bytes read into the pipe, not yet written to dst */
+    int eof;              /* src said EOF */
+    int shut;             /* EOF passed on to dst: this direction is finished */
+    uint64_t *count;      /* live byte counter in the caller's buffer */
+    int side;             /* 1: reads the client, 2: reads the upstream */
+    int *first_eof;       /* shared by both directions */
+};
+
+static int set_nonblocking(int fd) {
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0) return -1;
+    return (flags & O_NONBLOCK) ? 0 : fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+}
+
+/* Pass EOF on once everything read before it is out. 0, or an errno. */
+static int pass_eof(struct half *h) {
+    if (!h->eof || h->pending || h->shut) return 0;
+    h->shut = 1;
+    /* ENOTCONN: the peer is gone already, and the other direction will say so. */
+    if (shutdown(h->dst, SHUT_WR) < 0 && errno != ENOTCONN) return errno;
+    return 0;
+}
+
+/* Write what the pipe holds; stops at EAGAIN (poll then waits for POLLOUT). */
+static int flush(struct half *h) {
+    while (h->pending) {
+        ssize_t n = splice(h->pipe_r, NULL, h->dst, NULL, h->pending, SPLICE_FLAGS);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno == EAGAIN ? 0 : errno;
+        }
+        h->pending -= (size_t)n;
+    }
+    return pass_eof(h);
+}
+
+/* src is readable: move what it has on, until it is empty, dst is full, or EOF. */
+static int pump(struct half *h) {
+    while (!h->eof && !h->pending) {
+        ssize_t n = splice(h->src, NULL, h->pipe_w, NULL, CHUNK, SPLICE_FLAGS);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return errno == EAGAIN ? 0 : errno;
+        }
+        if (n == 0) {
+            h->eof = 1;
+            if (!*h->first_eof) *h->first_eof = h->side;
+            return pass_eof(h);
+        }
+        h->pending = (size_t)n;
+        __atomic_store_n(h->count, *h->count + (uint64_t)n, __ATOMIC_RELAXED);
+        int err = flush(h);
+        if (err) return err;
+        if (n < CHUNK) break; /* a short read: src is (almost surely) empty, back to poll */
+    }
+    return 0;
+}
+
+/* What fd needs from poll: input for the direction it feeds, output for the one that
+ * waits on it. An fd needing nothing is left out (-1), or its HUP would spin poll. */
+static void interest(struct pollfd *p, int fd, const struct half *in, const struct half *out) {
+    short ev = 0;
+    if (!in->eof && !in->pending) ev |= POLLIN;
+    if (out->pending) ev |= POLLOUT;
+    p->fd = ev ? fd : -1;
+    p->events = ev;
+    p->revents = 0;
+}
+
+static int run(struct half h[2]) {
+    int c = h[0].src, u = h[1].src;
+    while (!(h[0].shut && h[1].shut)) {
+        struct pollfd pf[2];
+        interest(&pf[0], c, &h[0], &h[1]);
+        interest(&pf[1], u, &h[1], &h[0]);
+        if (poll(pf, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        for (int d = 0; d < 2; d++) {
+            /* Direction d writes to pf[1-d]'s fd and reads from pf[d]'s. A HUP or ERR
+             * wakes whichever call will report it: the write's or the read's. */
+            int err = 0;
+            if ((pf[1 - d].events & POLLOUT) && (pf[1 - d].revents & (POLLOUT | WOKE)))
+                err = flush(&h[d]);
+            if (!err && (pf[d].events & POLLIN) && (pf[d].revents & (POLLIN | WOKE)))
+                err = pump(&h[d]);
+            if (err) return err;
+        }
+    }
+    return 0;
+}
+
+static PyObject *relay(PyObject *self, PyObject *args) {
+    (void)self;
+    int cfd, ufd, up_r, up_w, down_r, down_w;
+    Py_buffer counters;
+    if (!PyArg_ParseTuple(args, "ii(iiii)w*:relay", &cfd, &ufd, &up_r, &up_w, &down_r, &down_w,
+                          &counters))
+        return NULL;
+    if (counters.len < (Py_ssize_t)(2 * sizeof(uint64_t)) ||
+        (uintptr_t)counters.buf % _Alignof(uint64_t)) {
+        PyBuffer_Release(&counters);
+        PyErr_SetString(PyExc_ValueError, "counters must be 16 aligned bytes");
+        return NULL;
+    }
+    uint64_t *count = counters.buf;
+    int first_eof = 0;
+    struct half h[2] = {
+        {cfd, ufd, up_r, up_w, 0, 0, 0, &count[0], 1, &first_eof},
+        {ufd, cfd, down_r, down_w, 0, 0, 0, &count[1], 2, &first_eof},
+    };
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = (set_nonblocking(cfd) < 0 || set_nonblocking(ufd) < 0) ? errno : run(h);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&counters);
+    return Py_BuildValue("(inni)", err, (Py_ssize_t)h[0].pending, (Py_ssize_t)h[1].pending,
+                         first_eof);
+}
+
+static PyObject *connect_start(PyObject *self, PyObject *args) {
+    (void)self;
+    int family, port;
+    const char *host;
+    PyObject *opts;
+    if (!PyArg_ParseTuple(args, "isiO!:connect", &family, &host, &port, &PyTuple_Type, &opts))
+        return NULL;
+    struct sockaddr_storage sa;
+    socklen_t len;
+    memset(&sa, 0, sizeof sa);
+    if (family == AF_INET) {
+        struct sockaddr_in *a = (struct sockaddr_in *)&sa;
+        a->sin_family = AF_INET;
+        a->sin_port = htons((uint16_t)port);
+        len = sizeof *a;
+        if (inet_pton(AF_INET, host, &a->sin_addr) != 1) goto bad_address;
+    } else if (family == AF_INET6) {
+        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&sa;
+        a->sin6_family = AF_INET6;
+        a->sin6_port = htons((uint16_t)port);
+        len = sizeof *a;
+        if (inet_pton(AF_INET6, host, &a->sin6_addr) != 1) goto bad_address;
+    } else {
+        goto bad_address;
+    }
+    int fd = socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(opts); i++) {
+        int level, name, value;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(opts, i), "iii", &level, &name, &value)) {
+            close(fd);
+            return NULL;
+        }
+        /* As apply_sockopts: an option this kernel refuses is skipped. */
+        (void)setsockopt(fd, level, name, &value, sizeof value);
+    }
+    int err = connect(fd, (struct sockaddr *)&sa, len) < 0 ? errno : 0;
+    if (err == EINPROGRESS) {
+        /* On a fast path (loopback, a near host) the handshake is often done by now:
+         * look once without waiting, so the caller need not release the GIL to poll. */
+        struct pollfd p = {fd, POLLOUT, 0};
+        socklen_t elen = sizeof err;
+        if (poll(&p, 1, 0) == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) < 0)
+            err = errno;
+    }
+    if (err && err != EINPROGRESS) {
+        close(fd);
+        fd = -1;
+    }
+    return Py_BuildValue("(ii)", fd, err);
+bad_address:
+    PyErr_Format(PyExc_ValueError, "not a numeric address: %s", host);
+    return NULL;
+}
+
+static PyObject *close_pair(PyObject *self, PyObject *args) {
+    (void)self;
+    int fds[2], reset;
+    if (!PyArg_ParseTuple(args, "iip:close_pair", &fds[0], &fds[1], &reset)) return NULL;
+    struct linger rst = {1, 0};
+    for (int i = 0; i < 2; i++) {
+        if (fds[i] < 0) continue;
+        if (reset) (void)setsockopt(fds[i], SOL_SOCKET, SO_LINGER, &rst, sizeof rst);
+        close(fds[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+static int64_t now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* Wait up to ms for events on fd; >0 ready, 0 timed out (EINTR retried). */
+static int wait_fd(int fd, short events, int64_t deadline) {
+    for (;;) {
+        int64_t left = deadline - now_ms();
+        if (left <= 0) return 0;
+        struct pollfd p = {fd, events, 0};
+        int n = poll(&p, 1, (int)left);
+        if (n >= 0 || errno != EINTR) return n;
+    }
+}
+
+#define FIRST_MAX (16 * 1024) /* a TLS ClientHello is one record */
+
+/* 1 answered (or not judged), 0 silent; *n is the length of the first bytes in buf. */
+static int first_answer_nogil(int cfd, int ufd, int timeout_ms, char *buf, Py_ssize_t *n,
+                              int have_first) {
+    if (!have_first) {
+        struct pollfd p[2] = {{cfd, POLLIN, 0}, {ufd, POLLIN, 0}};
+        int r;
+        do r = poll(p, 2, timeout_ms); while (r < 0 && errno == EINTR);
+        if (r <= 0 || p[1].revents) return 1; /* nothing from the client, or upstream first */
+        ssize_t got = recv(cfd, buf, FIRST_MAX, MSG_DONTWAIT);
+        if (got <= 0) return 1; /* EOF, reset or nothing after all: the relay sees it */
+        *n = got;
+    }
+    int64_t deadline = now_ms() + timeout_ms;
+    for (Py_ssize_t off = 0; off < *n;) {
+        ssize_t w = send(ufd, buf + off, (size_t)(*n - off), MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (w >= 0) {
+            off += w;
+        } else if (errno == EAGAIN || errno == EINTR) {
+            if (wait_fd(ufd, POLLOUT, deadline) <= 0) return 0;
+        } else {
+            return 1; /* the relay reports the upstream's error */
+        }
+    }
+    return wait_fd(ufd, POLLIN, deadline) > 0;
+}
+
+static PyObject *first_answer(PyObject *self, PyObject *args) {
+    (void)self;
+    int cfd, ufd, timeout_ms;
+    PyObject *first;
+    if (!PyArg_ParseTuple(args, "iiiO:first_answer", &cfd, &ufd, &timeout_ms, &first))
+        return NULL;
+    int have = first != Py_None;
+    if (have && (!PyBytes_Check(first) || PyBytes_GET_SIZE(first) > FIRST_MAX)) {
+        PyErr_SetString(PyExc_ValueError, "first must be None or at most 16 KiB of bytes");
+        return NULL;
+    }
+    char stack[FIRST_MAX];
+    Py_ssize_t n = have ? PyBytes_GET_SIZE(first) : 0;
+    if (have) memcpy(stack, PyBytes_AS_STRING(first), (size_t)n);
+    int answered;
+    Py_BEGIN_ALLOW_THREADS
+    answered = first_answer_nogil(cfd, ufd, timeout_ms, stack, &n, have);
+    Py_END_ALLOW_THREADS
+    if (have) return Py_BuildValue("(iO)", answered, first);
+    return Py_BuildValue("(iy#)", answered, stack, n);
+}
+
+static PyMethodDef methods[] = {
+    {"relay", relay, METH_VARARGS,
+     "relay(client_fd, upstream_fd, (up_r, up_w, down_r, down_w), counters) -> "
+     "(errno, left_up, left_down, first_eof)\n\nCopy both directions until both end (GIL released)."},
+    {"connect", connect_start, METH_VARARGS,
+     "connect(family, host, port, options) -> (fd, errno): non-blocking connect started."},
+    {"first_answer", first_answer, METH_VARARGS,
+     "first_answer(client_fd, upstream_fd, timeout_ms, first) -> (answered, first)"},
+    {"close_pair", close_pair, METH_VARARGS,
+     "close_pair(fd1, fd2, reset): close both sockets (SO_LINGER 0 first if reset)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_relay", "Native splice relay for one connection.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__relay(void) { return PyModule_Create(&module); }

@@ -1,0 +1,53 @@
+"""Reservation: a picked upstream counted as a dial in flight, until attach or release.
+
+Least-conn counts dials in flight, so concurrent picks see each other. The count is a
+value the pipe thread holds (issue 12 item 11): ``Registry.reserve()`` and
+``Registry.reserve_endpoint()`` (panic mode) make one, ``Registry.attach()`` ends it, and
+as a context manager it is released on every other path, an exception's included.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from extractedprism.endpoints import Endpoint
+
+
+class Counted(Protocol):
+    """What a reservation needs of the registry's record (its in-flight dial count)."""
+
+    endpoint: Endpoint
+    dialing: int
+
+
+class Reservation:
+    """Releasing twice, or after attach, does nothing."""
+
+    __slots__ = ("_lock", "_rec", "address", "dial_seconds", "endpoint", "panic")
+
+    def __init__(self, lock: threading.RLock, rec: Counted, address: str, *,
+                 panic: bool = False) -> None:
+        self._lock = lock  # the registry's
+        self.panic = panic  # chosen by panic mode, not by selection
+        self.dial_seconds: float | None = None  # the successful dial's duration (attach)
+        self._rec: Counted | None = rec  # the record counted, even if replaced since
+        self.address = address
+        self.endpoint = rec.endpoint
+
+    def take_locked(self) -> None:
+        """End the reservation; the caller holds the registry lock."""
+        rec, self._rec = self._rec, None
+        if rec is not None and rec.dialing > 0:
+            rec.dialing -= 1
+
+    def release(self) -> None:
+        if self._rec is not None:
+            with self._lock:
+                self.take_locked()
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
