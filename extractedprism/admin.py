@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from extractedprism.endpoints import parse_endpoint
+from extractedprism.threads import join_until, start_daemon
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +150,7 @@ class AdminServer:
     def start(self) -> None:
         if self._sock is None:
             self.bind()
-        self._thread = threading.Thread(name="admin-socket", target=self._serve_forever,
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_daemon("admin-socket", self._serve_forever)
         log.info("admin socket listening path=%s mode=0600", self.path)
 
     def stop(self, timeout: float = 2.0) -> bool:
@@ -161,12 +160,7 @@ class AdminServer:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        ok = True
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                ok = False
-                log.warning("thread outlived shutdown deadline thread=admin-socket")
+        ok = join_until([self._thread], time.monotonic() + timeout)
         if sock is not None:
             sock.close()
             self._sock = None

@@ -8,8 +8,9 @@ the local offset (``2026-12-01T18:25:55.148+00:00``).
 
 Per upstream: ``address``, ``source`` (providers that list it), ``state`` in words
 (``healthy``, ``unhealthy``, ``draining`` (removed from the endpoint list),
-``closing-unready`` (readiness drain scheduled), ``admin-drain``), ``since`` (last
-change of ``state``), ``healthy``, ``draining`` (removed endpoints only, as before),
+``closing-unready`` (TCP-healthy, unready, readiness drain scheduled), ``admin-drain``,
+``fallback``), ``since`` (last change of ``state``), ``healthy``, ``draining`` (removed
+endpoints only, as before),
 ``draining_reason`` (``removed``, ``unready``, ``admin``, or null) and ``close_deadline``
 (when its remaining connections are closed, whenever that is scheduled), ``ready``,
 ``readiness``, ``ready_reason``, ``failures`` (current consecutive-failure streak),
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from extractedprism.discovery import DiscoveryView
 
 if TYPE_CHECKING:
-    from extractedprism.registry import Snapshot, UpstreamView
+    from extractedprism.snapshot import Snapshot, UpstreamView
 
 
 def rfc3339(wall: float | None) -> str | None:

@@ -37,8 +37,11 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from extractedprism.threads import join_until, start_daemon
 
 log = logging.getLogger(__name__)
 
@@ -234,18 +237,13 @@ class Offer:
             _unlink_quietly(tmp)
             raise
         self._server = server
-        self._thread = threading.Thread(name="handover-offer", target=self._serve,
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_daemon("handover-offer", self._serve)
         log.info("handover: offering listeners path=%s", self._path)
 
     def stop(self, timeout: float = 1.0) -> None:
         """Stop offering; remove the path if it is still this instance's."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("thread outlived its shutdown deadline thread=handover-offer")
+        join_until([self._thread], time.monotonic() + timeout)
         self._release()
 
     def _release(self) -> None:

@@ -9,9 +9,11 @@ Every thread reads and changes upstream state only through this object:
 * the admin socket calls :meth:`admin_drain`, :meth:`admin_undrain`, :meth:`admin_close`;
 * the health server and the metrics collector read :meth:`snapshot`.
 
-The rules of one upstream's state live in :mod:`extractedprism.upstream` (pure); this
-module owns what needs the lock: the address -> record dict, live connections, the
-counters, the drain and readiness deadlines and the panic flag. Fields guarded by
+The rules of one upstream's state live in :mod:`extractedprism.upstream` (pure), the
+per-address record in :mod:`extractedprism.records`, the operator actions in the
+:mod:`extractedprism.adminops` mixin; this module owns what needs the lock: the
+address -> record dict, live connections, the counters, the drain and readiness
+deadlines and the panic flag. Fields guarded by
 ``self.lock``: ``_ups`` (and everything in each record), ``_panic``, ``_conn_count``,
 ``_connections_total``, ``_closing``. Methods never do I/O, logging or callbacks while
 holding it: sockets to close, log lines and change notices are collected in an
@@ -26,18 +28,18 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from extractedprism import upstream as sm
-from extractedprism.dialstats import DialHistogram
+from extractedprism.adminops import AdminActions
 from extractedprism.effects import Change, Effects
 from extractedprism.endpoints import Endpoint
 from extractedprism.latency import LatencyTiers
+from extractedprism.records import Record, Tracked, last_success, readiness_moves, started
 from extractedprism.reservation import Reservation
 from extractedprism.selection import Candidate, choose
-from extractedprism.snapshot import AdminMark, ConnView, Snapshot, UpstreamView
-from extractedprism.upstream import ProbeResult, Readiness, UpstreamState
+from extractedprism.snapshot import ConnView, Snapshot
+from extractedprism.upstream import ProbeResult, Readiness
 
 if TYPE_CHECKING:
     from extractedprism.merge import Roles
@@ -47,47 +49,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Change", "ProbeResult", "Readiness", "Registry", "Tracked"]
 
 
-class Tracked(Protocol):
-    """What the registry needs of a live connection (implemented by pipe.Pipe)."""
-
-    client: str
-    started: float
-    bytes_up: int
-    bytes_down: int
-
-    def close(self) -> None: ...
-
-
-@dataclass
-class _Record:
-    endpoint: Endpoint
-    state: UpstreamState = field(default_factory=UpstreamState)
-    conns: dict[int, Tracked] = field(default_factory=dict)
-    dialing: int = 0  # picked, dial in progress: counts for least-conn
-    drain_deadline: float | None = None
-    unready_deadline: float | None = None
-    last_success: float = 0.0
-    # The operator's view: the state word and when it last changed, the last check.
-    word: str = "healthy"
-    since: float = 0.0
-    last_check_at: float | None = None
-    admin_mark: AdminMark | None = None
-    # An admin close: (when, id(conn)) in time order, the last one at +--drain-timeout.
-    close_plan: list[tuple[float, int]] = field(default_factory=list)
-    dials: DialHistogram = field(default_factory=DialHistogram)
-    # Counters, exported at scrape time; they go when the record goes.
-    total_connections: int = 0
-    connection_errors: int = 0
-    bytes_up: int = 0  # of finished connections
-    bytes_down: int = 0
-    sources: tuple[str, ...] = ()  # the providers listing it (merge.Roles)
-
-
-def _started(conn: Tracked) -> float:
-    return conn.started
-
-
-class Registry:
+class Registry(AdminActions):
     """Upstream records, live connections, counters and deadlines behind one RLock."""
 
     def __init__(
@@ -112,7 +74,7 @@ class Registry:
         self._wall = wall_clock
         self._rng = rng or random.Random()
         self._on_change = on_change
-        self._ups: dict[str, _Record] = {}
+        self._ups: dict[str, Record] = {}
         self._latency = LatencyTiers()
         self._panic = False
         self._conn_count = 0
@@ -142,7 +104,7 @@ class Registry:
                 rec = self._ups.get(addr)
                 demoted = addr in fallback
                 if rec is None:
-                    rec = self._ups[addr] = _Record(endpoint=ep, since=now)
+                    rec = self._ups[addr] = Record(endpoint=ep, since=now)
                     rec.state = sm.listed(rec.state, fallback=demoted)
                     fx.log(logging.INFO, "upstream added upstream=%s%s", addr,
                            " fallback=true" if demoted else "")
@@ -152,7 +114,7 @@ class Registry:
                     fx.log(logging.INFO, "upstream drain aborted upstream=%s reason=%r", addr,
                            "re-added")
                 else:
-                    self._set_role_locked(addr, rec, demoted, fx)
+                    rec.set_role(addr, demoted, fx)
                 rec.sources = tuple(sources.get(addr, ()))
             for addr, rec in list(self._ups.items()):
                 if addr in wanted or rec.state.draining:
@@ -180,23 +142,11 @@ class Registry:
             for addr, rec in self._ups.items():
                 if rec.state.draining:
                     continue
-                self._set_role_locked(addr, rec, addr in roles.fallback, fx)
+                rec.set_role(addr, addr in roles.fallback, fx)
                 rec.sources = tuple(roles.sources.get(addr, rec.sources))
             self._update_readiness_deadlines_locked(self._clock(), fx)
             self._update_panic_locked(fx)
         self._run(fx)
-
-    @staticmethod
-    def _set_role_locked(addr: str, rec: _Record, demoted: bool, fx: Effects) -> None:
-        if rec.state.fallback == demoted:
-            return
-        rec.state = sm.listed(rec.state, fallback=demoted)
-        if demoted:
-            fx.log(logging.INFO, "upstream kept as a fallback upstream=%s reason=%r", addr,
-                   "static endpoint not in discovery's list")
-        else:
-            fx.log(logging.INFO, "upstream fallback over upstream=%s reason=%r", addr,
-                   "listed by discovery")
 
     def _remove_locked(self, addr: str) -> list[Tracked]:
         rec = self._ups.pop(addr)
@@ -267,7 +217,7 @@ class Registry:
         with self.lock:
             recs = [r for a, r in self._ups.items()
                     if not r.state.draining and not r.state.admin_drained and a not in skip]
-            recs.sort(key=_last_success, reverse=True)
+            recs.sort(key=last_success, reverse=True)
             return [r.endpoint for r in recs]
 
     def _update_words_locked(self, now: float) -> None:
@@ -366,31 +316,8 @@ class Registry:
     # -- readiness-driven connection moves ----------------------------------------
 
     def _update_readiness_deadlines_locked(self, now: float, fx: Effects) -> None:
-        if not self._readyz:
-            return
-        ready_addrs = {a for a, r in self._ups.items() if r.state.pickable and r.state.ready}
-        for addr, rec in self._ups.items():
-            rec.unready_deadline, close, what = sm.unready_close(
-                rec.state, bool(ready_addrs - {addr}), rec.unready_deadline, now,
-                self._drain_timeout)
-            if close:
-                self._close_conns_locked(addr, rec, fx)
-            elif what == "scheduled" and rec.conns:
-                fx.log(logging.INFO, "upstream unready; closing its connections after "
-                       "drain timeout upstream=%s connections=%d drain_timeout=%gs", addr,
-                       len(rec.conns), self._drain_timeout)
-            elif what and what != "scheduled":
-                fx.log(logging.INFO, "upstream connection close called off upstream=%s "
-                       "reason=%r", addr, what)
-
-    @staticmethod
-    def _close_conns_locked(addr: str, rec: _Record, fx: Effects) -> None:
-        conns = list(rec.conns.values())
-        if conns:
-            fx.log(logging.INFO, "closing connections upstream=%s connections=%d reason=%r",
-                   addr, len(conns), "unready")
-        # Pipes detach themselves when their thread notices the close.
-        fx.close.extend(conns)
+        if self._readyz:
+            readiness_moves(self._ups, now, self._drain_timeout, fx)
 
     def tick(self) -> float | None:
         """Expire drain and readiness deadlines; return the next deadline, if any."""
@@ -415,116 +342,6 @@ class Registry:
                          if d is not None]
         self._run(fx)
         return min(deadlines) if deadlines else None
-
-    # -- operator actions (the admin socket) ----------------------------------------
-
-    def known_addresses(self) -> list[str]:
-        with self.lock:
-            return list(self._ups)
-
-    def _admin_locked(self, addr: str, action: str, uid: int, now: float) -> _Record | None:
-        rec = self._ups.get(addr)
-        if rec is None:
-            return None
-        rec.state = sm.admin_set(rec.state, action)
-        rec.admin_mark = AdminMark(action, uid, now) if action else None
-        if action != "close":
-            rec.close_plan = []
-        return rec
-
-    def _admin_settle_locked(self, now: float, fx: Effects, addr: str) -> None:
-        # The set of pickable (and ready) upstreams changed: readiness closes elsewhere
-        # may start or be called off, panic may begin or end.
-        self._update_readiness_deadlines_locked(now, fx)
-        self._update_panic_locked(fx)
-        self._update_words_locked(now)
-        fx.changes.append(Change("health", addr))  # wakes the ticker for new deadlines
-
-    def admin_drain(self, addr: str, uid: int) -> tuple[int, str]:
-        """No new connections to ``addr``; existing ones stay. (code, message)."""
-        fx = Effects()
-        with self.lock:
-            now = self._clock()
-            rec = self._ups.get(addr)
-            if rec is None:
-                return 2, f"unknown upstream {addr}"
-            if rec.state.admin == "close":
-                return 0, f"{addr} is already closed by an operator (undrain it first)"
-            already = rec.state.admin == "drain"
-            self._admin_locked(addr, "drain", uid, now)
-            self._admin_settle_locked(now, fx, addr)
-            conns = len(rec.conns)
-        self._run(fx)
-        if already:
-            return 0, f"{addr} was already drained"
-        return 0, (f"drained {addr}: no new connections; its {conns} existing connection(s) "
-                   "stay")
-
-    def admin_undrain(self, addr: str, uid: int) -> tuple[int, str]:
-        """Back in service: it takes new connections whenever it is healthy."""
-        fx = Effects()
-        with self.lock:
-            now = self._clock()
-            rec = self._ups.get(addr)
-            if rec is None:
-                return 2, f"unknown upstream {addr}"
-            was = rec.state.admin
-            self._admin_locked(addr, "", uid, now)
-            self._admin_settle_locked(now, fx, addr)
-            state = rec.state
-        self._run(fx)
-        if not was:
-            return 0, f"{addr} was not drained"
-        if state.draining:
-            return 0, f"undrained {addr}; it stays draining: it was removed from the endpoints"
-        if not state.healthy:
-            return 0, (f"undrained {addr}; it is unhealthy and takes new connections once "
-                       "its health checks pass")
-        if self._readyz and not state.ready:
-            return 0, f"undrained {addr}; readyz says not ready: new connections prefer others"
-        return 0, f"undrained {addr}: back in service"
-
-    def admin_close(self, addr: str, uid: int, *, force: bool = False) -> tuple[int, str]:
-        """No new connections to ``addr``, and its connections closed spread over
-        --drain-timeout; refused (code 1) when no other ready (readyz) / healthy (tcp)
-        upstream would be left, unless ``force``."""
-        fx = Effects()
-        with self.lock:
-            now = self._clock()
-            rec = self._ups.get(addr)
-            if rec is None:
-                return 2, f"unknown upstream {addr}"
-            others = [a for a, r in self._ups.items() if a != addr and r.state.pickable
-                      and (r.state.ready or not self._readyz)]
-            kind = "ready" if self._readyz else "healthy"
-            if not others and not force:
-                return 1, (f"refused: closing {addr} would leave no other {kind} upstream; "
-                           "pass --force to close it anyway")
-            self._admin_locked(addr, "close", uid, now)
-            ids = list(rec.conns)  # attach order: oldest first
-            if self._drain_timeout <= 0:
-                rec.close_plan = [(now, i) for i in ids]
-            else:
-                step = self._drain_timeout / max(1, len(ids))
-                rec.close_plan = [(now + step * (n + 1), i) for n, i in enumerate(ids)]
-            if rec.close_plan:
-                fx.log(logging.INFO, "closing connections upstream=%s connections=%d "
-                       "reason=%r over=%gs", addr, len(ids), "admin close",
-                       max(0.0, self._drain_timeout))
-            self._run_close_plan_locked(addr, rec, now, fx)
-            self._admin_settle_locked(now, fx, addr)
-        self._run(fx)
-        left = "" if others else f"; no other {kind} upstream is left (--force)"
-        return 0, (f"closing {addr}: no new connections; its {len(ids)} connection(s) close "
-                   f"spread over {max(0.0, self._drain_timeout):g}s{left}")
-
-    @staticmethod
-    def _run_close_plan_locked(addr: str, rec: _Record, now: float, fx: Effects) -> None:
-        while rec.close_plan and rec.close_plan[0][0] <= now:
-            _, conn_id = rec.close_plan.pop(0)
-            conn = rec.conns.get(conn_id)
-            if conn is not None:  # it may have ended by itself meanwhile
-                fx.close.append(conn)
 
     # -- connections --------------------------------------------------------------
 
@@ -584,7 +401,7 @@ class Registry:
         by one, outside the lock)."""
         with self.lock:
             conns = [c for up in self._ups.values() for c in up.conns.values()]
-        conns.sort(key=_started)
+        conns.sort(key=started)
         return conns
 
     @property
@@ -604,17 +421,9 @@ class Registry:
             latency, readyz = self._latency_mode, self._readyz
             now, wall = self._clock(), self._wall()
             views = tuple(
-                UpstreamView.of(
-                    addr, r.state, readyz=readyz,
-                    tier=self._latency.tier(addr) if latency else None,
-                    rtt=self._latency.average(addr) if latency else None,
-                    active=len(r.conns), total=r.total_connections, errors=r.connection_errors,
-                    bytes_up=r.bytes_up + sum(c.bytes_up for c in r.conns.values()),
-                    bytes_down=r.bytes_down + sum(c.bytes_down for c in r.conns.values()),
-                    sources=r.sources,
-                    state=r.word, since=r.since, last_check_at=r.last_check_at,
-                    draining_reason=_draining_reason(r), close_deadline=_close_deadline(r),
-                    admin=r.admin_mark, dials=r.dials.frozen())
+                r.view(addr, readyz=readyz,
+                       tier=self._latency.tier(addr) if latency else None,
+                       rtt=self._latency.average(addr) if latency else None)
                 for addr, r in sorted(self._ups.items())
             )
             conns = tuple(ConnView(c.client, a, c.started, c.bytes_up, c.bytes_down)
@@ -638,26 +447,3 @@ class Registry:
         """At least one upstream is pickable (the proxy's /readyz)."""
         with self.lock:
             return any(r.state.pickable for r in self._ups.values())
-
-
-def _last_success(rec: _Record) -> float:
-    return rec.last_success
-
-
-def _draining_reason(rec: _Record) -> str | None:
-    if rec.state.lifecycle is sm.Lifecycle.DRAINING:
-        return "removed"
-    if rec.state.admin_drained:
-        return "admin"
-    if rec.unready_deadline is not None:
-        return "unready"
-    return None
-
-
-def _close_deadline(rec: _Record) -> float | None:
-    """When its remaining connections will all have been closed, if that is scheduled."""
-    times = [t for t in (rec.drain_deadline if rec.state.lifecycle is sm.Lifecycle.DRAINING
-                         else None,
-                         rec.unready_deadline,
-                         rec.close_plan[-1][0] if rec.close_plan else None) if t is not None]
-    return min(times) if times else None

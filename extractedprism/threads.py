@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -29,3 +29,11 @@ def join_until(threads: Iterable[threading.Thread | None], deadline: float) -> b
     for t in stuck:
         log.warning("thread outlived its shutdown deadline; abandoned thread=%s", t.name)
     return not stuck
+
+
+def start_daemon(name: str, target: Callable[..., object], *args: object) -> threading.Thread:
+    """Start a daemon thread named for what it does, running a named method (house rule:
+    ``py-spy dump`` and ``%(threadName)s`` read like a map)."""
+    t = threading.Thread(name=name, target=target, args=args, daemon=True)
+    t.start()
+    return t

@@ -280,9 +280,11 @@ def state_word(s: UpstreamState, *, closing_unready: bool) -> str:
         return s.lifecycle.value  # "draining" (removed from the endpoint list), ...
     if s.admin:
         return "admin-drain"
-    if closing_unready:
-        return "closing-unready"
-    return "healthy" if s.healthy else "unhealthy"
+    if not s.healthy:
+        # A TCP failure says more than readiness; an unready close still shows in
+        # draining_reason and close_deadline.
+        return "unhealthy"
+    return "closing-unready" if closing_unready else "healthy"
 
 
 def loses_connections(s: UpstreamState, another_ready: bool) -> bool:

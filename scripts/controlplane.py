@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import fcntl
 import ipaddress
 import json
 import os
@@ -198,10 +199,23 @@ class ControlPlane:
     def create(cls, owner_pid: int | None = None) -> ControlPlane:
         root = state_root()
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Picking the /24 and recording it happen under one lock, so two sessions
+        # starting together cannot pick the same one before either has made its bridge.
+        lock = open(root / ".subnet.lock", "w")  # noqa: SIM115 - closed below
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return cls._create_locked(root, owner_pid)
+        finally:
+            lock.close()
+
+    @classmethod
+    def _create_locked(cls, root: Path, owner_pid: int | None) -> ControlPlane:
         run_id = secrets.token_hex(3)
         run_dir = root / run_id
         run_dir.mkdir(mode=0o700)
-        subnet = _free_subnet()
+        taken = [ipaddress.ip_network(cp.state["subnet"]) for cp in runs()
+                 if not cp.state.get("downed_at")]
+        subnet = _free_subnet(taken)
         hosts = list(subnet.hosts())
         ips = {name: str(hosts[idx - 1]) for name, idx in HOST_INDEX.items()}
         state = {
@@ -699,9 +713,9 @@ def _plain_opener() -> urllib.request.OpenerDirector:
     return urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _free_subnet() -> ipaddress.IPv4Network:
+def _free_subnet(taken: list[Any]) -> ipaddress.IPv4Network:
     out = _ip("-4", "-o", "addr", "show").stdout
-    used = []
+    used = list(taken)
     for line in out.splitlines():
         parts = line.split()
         if "inet" in parts:

@@ -119,7 +119,9 @@ def main() -> int:
                "--health-timeout", "1s", "--health-check", "readyz",
                "--health-check-ca-file", str(ca_file), "--drain-timeout", "5s"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
-        proxy = subprocess.Popen(cmd, env=env, cwd=ROOT)
+        # The proxy logs to stderr; its stdout is not the demo's, so nothing holds the
+        # demo's stdout open after the demo is gone.
+        proxy = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
         victim_name, victim, victim_addr = ups[0]
         status_cmd = shlex.join([str(ROOT / ".venv" / "bin" / "extractedprism"), "status",
                                  "--health-port", str(health), "--watch"])

@@ -82,6 +82,13 @@ def control_plane() -> Iterator[Any]:
         cp.down()
 
 
+@pytest.fixture(autouse=True)
+def stop_background_clients() -> Iterator[None]:
+    """Clients a failing test left running (kubectl watches, load threads) stop here."""
+    yield
+    harness.stop_live()
+
+
 @pytest.fixture
 def cluster(control_plane: Any) -> Any:
     cp = control_plane
@@ -129,6 +136,7 @@ def extractedprism(cluster: Any, tmp_path: Path) -> Iterator[Callable[..., harne
         return proxy
 
     yield start
+    harness.stop_live()  # clients first: a watch would re-dial a stopped proxy in a loop
     for proxy in started:
         proxy.stop()
         if proxy.proc.returncode not in (0, None):

@@ -49,6 +49,17 @@ def mono() -> float:
     return time.monotonic()
 
 
+# Every background client started and not yet stopped, so a failing test's teardown
+# (tests/controlplane/conftest.py) stops them all: no kubectl outlives its test.
+LIVE: list[Any] = []
+
+
+def stop_live() -> None:
+    while LIVE:
+        with contextlib.suppress(Exception):
+            LIVE.pop().stop()
+
+
 class ClientGoRetry(urllib3.Retry):
     """Retries the way client-go does: a GET whose connection broke (urllib3's default:
     idempotent methods on connect and read errors), and *any* verb answered 429 or 503
@@ -124,6 +135,7 @@ class Load:
                                            name=f"cp-load-fresh-{i}") for i in range(fresh)]
 
     def start(self) -> Load:
+        LIVE.append(self)
         for t in self._threads:
             t.start()
         return self
@@ -191,6 +203,7 @@ class Writer:
                                             data={"seq": "0"}))
 
     def start(self) -> Writer:
+        LIVE.append(self)
         self._thread.start()
         return self
 
@@ -257,6 +270,7 @@ class Watcher:
         self._thread = threading.Thread(target=self._run, name=f"cp-watch-{name}", daemon=True)
 
     def start(self) -> Watcher:
+        LIVE.append(self)
         self._thread.start()
         return self
 
@@ -375,6 +389,7 @@ class Sampler:
         self._thread = threading.Thread(target=self._run, name="cp-sampler", daemon=True)
 
     def start(self) -> Sampler:
+        LIVE.append(self)
         self._thread.start()
         return self
 

@@ -93,6 +93,9 @@ def test_rollout_on_one_node_refuses_nothing_and_spreads_the_old_pods_closes(tmp
         assert result.attempts > 50, "the client loop ran across the switch"
         assert result.failed == 0, f"connection attempts failed: {dict(result.failures)}"
         closes = list(held.closed_at.values())
+        print(f"rollout figures: attempts={result.attempts} failed={result.failed} "
+              f"closes over {max(closes) - min(closes):.2f}s of a {window:g}s window, "
+              f"max {max_in_any_window(closes, window / 10)} of {HELD} in any tenth")
         # Spread over the window: no more than a quarter within any tenth of it.
         assert max_in_any_window(closes, window / 10) <= math.ceil(HELD / 4), sorted(closes)
         assert max(closes) - min(closes) >= window / 2

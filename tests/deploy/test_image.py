@@ -312,6 +312,9 @@ def _run_checks(proc: subprocess.Popen[str], bind_port: int, health_port: int,
     out, _ = proc.communicate(timeout=drain + 30)
     assert proc.returncode == 0, out
     assert "Traceback" not in out, out
+    if (ROOT / "extractedprism" / "_relay.c").exists():
+        # --relay auto (the chart's default) picked the compiled extension the image carries.
+        assert "relay=native" in out, out
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:

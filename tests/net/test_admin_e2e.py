@@ -22,9 +22,8 @@ from extractedprism.endpoints import Endpoint
 from extractedprism.registry import ProbeResult
 from tests.conftest import fast_config
 from tests.net.test_drain import closed, open_to, still_open
-from tests.net.test_proxy import whoami
 from tests.net.test_upstreams_doc import entry, when
-from tests.util import first_checks_recorded, wait_until
+from tests.util import first_checks_recorded, wait_until, whoami
 
 
 @pytest.fixture

@@ -511,6 +511,10 @@ def _refused(address: tuple[str, int]) -> bool:
         socket.create_connection(address, timeout=1).close()
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:
+        # Queued on the listener just before it closed (a loaded machine): the close
+        # resets it; the next attempt tells.
+        return False
     return False
 
 

@@ -15,9 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from extractedprism import __version__
 from extractedprism.endpoints import Endpoint
 from extractedprism.registry import ProbeResult
-from tests.net.test_proxy import connect, whoami
 from tests.net.test_upstreams_doc import doc, when
-from tests.util import first_checks_recorded, http, wait_until
+from tests.util import connect, first_checks_recorded, http, wait_until, whoami
 
 
 def families(app: Any) -> dict[str, Any]:

@@ -19,8 +19,7 @@ from extractedprism import __version__
 from extractedprism.endpoints import Endpoint
 from extractedprism.registry import ProbeResult
 from tests.net.test_drain import open_to
-from tests.net.test_proxy import connect, read_line, whoami
-from tests.util import first_checks_recorded, http, wait_until
+from tests.util import connect, first_checks_recorded, http, read_line, wait_until, whoami
 
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d$")
 UPSTREAM_KEYS = {

@@ -27,7 +27,8 @@ def test_demo_prints_a_kill_command_and_the_status_follows_the_failover():
     proc = subprocess.Popen(
         [PYTHON, str(ROOT / "scripts" / "demo.py"), "--seconds", "60", "--interval", "0.5",
          "--bind-port", str(bind), "--health-port", str(health)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env,
+        start_new_session=True)  # its own group: a failed test can end its children too
     lines: list[str] = []
     assert proc.stdout is not None
     reader = threading.Thread(target=_collect, args=(proc.stdout, lines), name="test-demo-out")
@@ -46,17 +47,20 @@ def test_demo_prints_a_kill_command_and_the_status_follows_the_failover():
         wait_until(lambda: any(f"{address} healthy" in line for line in lines), 30,
                    message="the victim healthy first")
         os.kill(victim, signal.SIGTERM)  # what the newcomer does (a child of our demo)
-        wait_until(lambda: any(f"{address} unhealthy" in line for line in lines), 30,
+        # readyz mode: the upstream is first unready (closing-unready), then unhealthy.
+        gone = re.compile(rf"{re.escape(address)} (?!healthy )\S+ ")
+        wait_until(lambda: any(gone.search(line) for line in lines), 30,
                    message="the status line shows the failover")
         status = run_cli("status", "--health-port", str(health))
         assert status.returncode == 0, status.stderr  # two upstreams still serve
         row = next(line for line in status.stdout.splitlines() if line.startswith(address))
-        assert row.split()[2] == "unhealthy"
+        assert row.split()[2] in ("closing-unready", "unhealthy"), row
+        assert row.split()[3] == "no" and "connection refused" in row
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # the group of the demo this test started
             proc.wait()
         reader.join(10)
         proc.stdout.close()

@@ -44,6 +44,7 @@ def attach(reg: Registry, addr: str, n: int) -> list[Conn]:
     (sm.UpstreamState(), False, "healthy"),
     (sm.UpstreamState(healthy=False), False, "unhealthy"),
     (sm.UpstreamState(), True, "closing-unready"),
+    (sm.UpstreamState(healthy=False), True, "unhealthy"),
     (sm.UpstreamState(admin="drain", healthy=False), True, "admin-drain"),
     (sm.UpstreamState(admin="close"), False, "admin-drain"),
     (sm.UpstreamState(lifecycle=sm.Lifecycle.DRAINING, admin="drain"), True, "draining"),
