@@ -20,6 +20,9 @@ Limits, all enforced by the loop thread:
 * after the last answer on a connection, the loop half-closes it and discards what the
   client still sends for up to ``LINGER_S``, so unread request bytes do not turn the
   close into a reset that destroys the answer in flight.
+
+The request head and its parser live in httphead.py; the answering half (request
+threads, then writing and lingering on the loop thread) in httpanswer.py.
 """
 
 from __future__ import annotations
@@ -34,69 +37,30 @@ import time
 from collections.abc import Callable
 
 from extractedprism.endpoints import is_ip
+from extractedprism.httpanswer import AnswerStates
+from extractedprism.httphead import (
+    LINGER_S,
+    MAX_HEAD_BYTES,
+    REQUEST_TIMEOUT_S,
+    Conn,
+    is_token,
+    request_head_end,
+)
 from extractedprism.threads import join_until
+
+# Re-exported: the names httpd.py and the tests import from here.
+__all__ = ["LINGER_S", "MAX_CONNECTIONS", "MAX_HEAD_BYTES", "MAX_REQUEST_THREADS",
+           "REQUEST_TIMEOUT_S", "Conn", "ConnectionLoop", "is_token", "request_head_end"]
 
 log = logging.getLogger(__name__)
 
-REQUEST_TIMEOUT_S = 5.0  # whole request head; also the write deadline for an answer
 MAX_REQUEST_THREADS = 64
 MAX_CONNECTIONS = 512
-MAX_HEAD_BYTES = 32 * 1024  # probes send ~100 bytes; this bounds memory per connection
-LINGER_S = 2.0
 _ACCEPT_PAUSE_S = 0.2
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789"
-                   b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 
 
-def is_token(b: bytes) -> bool:
-    return bool(b) and all(c in _TCHAR for c in b)
-
-
-def request_head_end(buf: bytes | bytearray) -> int:
-    """How many leading bytes of ``buf`` form one request head, or 0 while more are needed.
-
-    A request line that cannot start a valid HTTP/1.x request ends the head by itself, so
-    that it is answered at once instead of after the read timeout: the client may never
-    send the blank line (HTTP/0.9) or any newline at all (a TLS ClientHello). Line ends
-    are found as ``http.server`` finds them: a bare LF ends a line too.
-    """
-    nl = buf.find(b"\n")
-    if nl < 0:
-        method = bytes(buf).split(b" ", 1)[0]
-        return 0 if not method or is_token(method) else len(buf)
-    words = bytes(buf[:nl]).split()
-    if len(words) != 3 or not is_token(words[0]) or not words[2].startswith(b"HTTP/1."):
-        return nl + 1
-    ends = [i + n for sep, n in ((b"\n\r\n", 3), (b"\n\n", 2))
-            if (i := buf.find(sep, nl)) >= 0]
-    return min(ends) if ends else 0
-
-
-class Conn:
-    """One connection, owned by the loop thread except while a request thread answers it.
-
-    ``head`` is the request to answer; ``oversized``: it is the first ``MAX_HEAD_BYTES``
-    of a longer one; ``eof``: the client has half-closed, so this is its last request;
-    ``out``: the part of the answer still to write, and ``keep``: whether another
-    request may follow it."""
-
-    __slots__ = ("buf", "client", "deadline", "eof", "head", "keep", "out", "oversized",
-                 "sock")
-
-    def __init__(self, sock: socket.socket, client: str) -> None:
-        self.sock = sock
-        self.client = client
-        self.buf = bytearray()
-        self.deadline = 0.0
-        self.head = b""
-        self.oversized = False
-        self.eof = False
-        self.out = memoryview(b"")
-        self.keep = False
-
-
-class ConnectionLoop:
+class ConnectionLoop(AnswerStates):
     """Owns a listening socket, the loop thread and its request threads.
 
     ``respond(conn)`` runs on a request thread and returns the bytes to send and whether
@@ -407,71 +371,6 @@ class ConnectionLoop:
                 self._close(conn)
                 return
 
-    def _take_back(self) -> None:
-        with self._lock:
-            returned, self._returned = self._returned, []
-        for conn, outcome in returned:
-            self._busy -= 1
-            if outcome == "write":
-                # The write deadline counts from the answer, as the request deadline did.
-                conn.deadline = time.monotonic() + REQUEST_TIMEOUT_S
-                self._writing[conn.sock.fileno()] = conn
-                self._sel.register(conn.sock, selectors.EVENT_WRITE, "writing")
-            elif outcome == "sent":
-                self._answered(conn)
-            else:
-                self._close(conn)
-
-    def _answered(self, conn: Conn) -> None:
-        if self._stop.is_set():
-            self._close(conn)  # shutting down: no next request, and no lingering either
-        elif conn.keep:
-            conn.head, conn.oversized = b"", False
-            self._await_request(conn)
-        else:
-            self._linger(conn)
-
-    def _write(self, conn: Conn | None) -> None:
-        if conn is None:
-            return
-        try:
-            conn.out = conn.out[conn.sock.send(conn.out):]
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            log.debug("health answer not delivered client=%s error=%r", conn.client, exc)
-            self._close(conn)
-            return
-        if not conn.out:
-            self._forget(conn)
-            self._answered(conn)
-
-    def _linger(self, conn: Conn) -> None:
-        # Closing with unread request bytes in the kernel would send a RST, and the
-        # client could lose the answer still in flight; so half-close and read until the
-        # client closes too, for a little while.
-        self._forget(conn)
-        try:
-            conn.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            self._close(conn)
-            return
-        conn.deadline = time.monotonic() + LINGER_S
-        self._lingering[conn.sock.fileno()] = conn
-        self._sel.register(conn.sock, selectors.EVENT_READ, "linger")
-
-    def _discard(self, conn: Conn | None) -> None:
-        if conn is None:
-            return
-        try:
-            if conn.sock.recv(65536):
-                return
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            pass
-        self._close(conn)
-
     def _forget(self, conn: Conn) -> None:
         fd = conn.sock.fileno()
         if (self._reading.pop(fd, None) is not None or self._writing.pop(fd, None)
@@ -481,12 +380,6 @@ class ConnectionLoop:
     def _close(self, conn: Conn) -> None:
         self._forget(conn)
         conn.sock.close()
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"\0")
-        except OSError:
-            pass  # already awake (buffer full) or shut down
 
     def _drain_wake(self) -> None:
         try:
@@ -510,34 +403,3 @@ class ConnectionLoop:
         self._listener.close()
         self._wake_r.close()
         self._wake_w.close()
-
-    # -- request threads -------------------------------------------------------
-
-    def _answer(self, conn: Conn) -> None:
-        outcome = "close"
-        try:
-            data, conn.keep = self._respond(conn)
-            if data:
-                # Never block here: a client that does not read would hold this thread
-                # for the whole write deadline, and enough of them would starve probes.
-                out = memoryview(data)
-                try:
-                    while out:
-                        out = out[conn.sock.send(out):]
-                except (BlockingIOError, InterruptedError):
-                    pass
-                conn.out = out
-                outcome = "write" if out else "sent"
-        except OSError as exc:
-            # The client reset, closed or stopped reading: nothing to answer any more.
-            log.debug("health answer not delivered client=%s error=%r", conn.client, exc)
-        except Exception:
-            log.exception("health request failed client=%s", conn.client)
-        finally:
-            with self._lock:
-                self._workers.discard(threading.current_thread())
-                if self._closed:
-                    conn.sock.close()
-                else:
-                    self._returned.append((conn, outcome))
-            self._wake()

@@ -19,21 +19,14 @@ the connection enters panic mode and tries every known upstream, most recently
 successful first, within one --health-timeout, because health checks can be wrong
 during a local blip and a refused kubelet is worse than a slow one.
 
-A connect proves only that the upstream's kernel is alive: a stopped (SIGSTOP) or
-wedged API server still completes handshakes from its backlog. So the client's first
-bytes (its TLS ClientHello) are read before the pipe starts and the upstream gets one
-dial timeout to answer them; a silent one counts as a failed dial and the same bytes
-go to the next upstream (nothing went back to the client yet, so the client cannot
-tell). Found against a real control plane (tests/controlplane, the SIGSTOP scenario).
-
 EMFILE/ENFILE on accept back off (up to 1 s) instead of spinning, and recover as soon
 as descriptors free up.
 
-The listener may be shared with another instance (handover.py: a successor takes it
-over): accept() wakes every ``ACCEPT_WAKE_S`` (SO_RCVTIMEO on the listener, which Linux
-applies to accept) so the acceptor can stop accepting without ``shutdown()``, which
-would stop the socket for the successor too. Nothing is lost while both accept: the
-connections queued on the socket belong to it, not to either process.
+# modules
+The listening socket and its accept wake-up live in listener.py, the pipe-thread pool
+in pipepool.py, the silent-upstream check on the client's first bytes in firstbytes.py.
+The acceptor thread runs ``_accept_loop``; each pipe thread runs ``_serve`` for the
+connection it is handed (pipepool.py).
 """
 
 from __future__ import annotations
@@ -42,114 +35,57 @@ import errno
 import logging
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from extractedprism import connlog, sched
 from extractedprism.dialer import FD_ERRNOS, Dialer
-from extractedprism.endpoints import is_ip
-from extractedprism.pipe import (
-    Pipe,
-    native_first_answer,
-    release_thread_resources,
-    resolve_relay,
+from extractedprism.firstbytes import FIRST_BYTES_MAX, first_answer
+from extractedprism.listener import (
+    ACCEPT_WAKE_S,
+    _format_addr,
+    _has_opts,
+    open_listener,
+    set_accept_wake,
+)
+from extractedprism.pipe import Pipe, native_first_answer, resolve_relay
+from extractedprism.pipepool import (
+    PIPE_IDLE_EXIT_S,
+    PIPE_IDLE_RELEASE_S,
+    PIPE_THREAD_STACK,
+    PRESTART_THREADS,
+    PipePool,
+    PoolView,
+    _Worker,
 )
 from extractedprism.registry import Registry
-from extractedprism.sockopts import CONNECTION_SOCKOPTS, apply_sockopts
+from extractedprism.sockopts import apply_sockopts
+
+# Re-exported: the names other modules and tests import from here.
+__all__ = [
+    "ACCEPT_WAKE_S",
+    "FIRST_BYTES_MAX",
+    "PIPE_IDLE_EXIT_S",
+    "PIPE_IDLE_RELEASE_S",
+    "PIPE_THREAD_STACK",
+    "PRESTART_THREADS",
+    "PoolView",
+    "Proxy",
+    "_format_addr",
+    "_has_opts",
+    "open_listener",
+    "set_accept_wake",
+]
 
 log = logging.getLogger(__name__)
 
-PRESTART_THREADS = 64  # a node's usual clients (kubelet, proxies, CNI, daemons) without a spawn
-PIPE_IDLE_EXIT_S = 10.0  # pipe threads beyond PRESTART_THREADS idle this long exit
-PIPE_IDLE_RELEASE_S = 3.0  # a parked thread idle this long closes its kernel pipes
-PIPE_THREAD_STACK = 256 * 1024  # copy loops are shallow; the default 8 MiB is address space
-# The client's first bytes held for a possible re-dial: a TLS ClientHello is one record
-# (at most 16 KiB); anything past it stays in the socket for the pipe.
-FIRST_BYTES_MAX = 16 * 1024
 _FD_ERRNOS = FD_ERRNOS
-# How often a blocked accept() returns to look at the stop flags. Idle cost: one
-# wake-up per interval; no cost per connection.
-ACCEPT_WAKE_S = 0.25
-_RCVTIMEO = struct.pack("ll", 0, int(ACCEPT_WAKE_S * 1_000_000))
 # Failures that repeat once per client during an outage: first line, then summaries.
 _no_upstream = connlog.RateLimited(log, logging.INFO, "no upstream available; closing client")
 
 
-def _has_opts(sock: socket.socket) -> bool | None:
-    """Whether ``sock`` carries every connection option (None: could not tell)."""
-    try:
-        return all(sock.getsockopt(level, name) == value
-                   for level, name, value in CONNECTION_SOCKOPTS)
-    except OSError:
-        return None  # reset already; ask the next socket
-
-
-def _format_addr(addr: tuple) -> str:  # type: ignore[type-arg]
-    host, port = addr[0], addr[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def open_listener(host: str, port: int, backlog: int = 1024) -> socket.socket:
-    """Bind and listen on host:port (IPv4, IPv6 or a name resolved once).
-
-    The connection options go on the listener: Linux copies them to every accepted
-    socket, which saves six setsockopt calls per client connection (the acceptor
-    checks the first accepted socket and falls back to setting them per socket).
-    """
-    if is_ip(host):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        addr: tuple = (host, port)  # type: ignore[type-arg]
-    else:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        family, addr = info[0], info[4]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        apply_sockopts(sock)
-        sock.bind(addr)
-        sock.listen(backlog)
-        set_accept_wake(sock)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-@dataclass(frozen=True)
-class PoolView:
-    """The pipe-thread pool at one moment, and its high-water marks since start."""
-
-    threads: int
-    idle: int
-    live: int  # connections accepted and not yet finished
-    peak_threads: int
-    peak_live: int
-
-
-def set_accept_wake(sock: socket.socket) -> None:
-    """Make a blocking accept() on ``sock`` return EAGAIN every ``ACCEPT_WAKE_S``.
-
-    Accepted sockets inherit the option; pipe threads use them non-blocking, where it
-    has no effect."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _RCVTIMEO)
-
-
-class _Worker:
-    """A pipe thread's parking spot: the acceptor sets ``item`` and releases ``wake``."""
-
-    __slots__ = ("item", "thread", "wake")
-
-    def __init__(self) -> None:
-        self.wake = threading.Lock()
-        self.wake.acquire()
-        self.item: tuple[socket.socket, str] | None = None
-        self.thread: threading.Thread | None = None
-
-
-class Proxy:
+class Proxy(PipePool):
     """Accepts clients on the listener and pipes each to an upstream from the registry."""
 
     def __init__(self, registry: Registry, *, bind_address: str, bind_port: int,
@@ -259,10 +195,6 @@ class Proxy:
                                           daemon=True)
         self._acceptor.start()
 
-    def pool(self) -> PoolView:
-        with self._pool_lock:
-            return PoolView(len(self._workers), len(self._parked), self._live,
-                            self._peak_threads, self._peak_live)
 
     def acceptor_alive(self) -> bool:
         return self._acceptor is not None and self._acceptor.is_alive()
@@ -379,118 +311,7 @@ class Proxy:
             self._dispatch(sock, _format_addr(addr))
         log.debug("acceptor stopped")
 
-    def _dispatch(self, sock: socket.socket, client: str) -> None:
-        if self._client_opts is None:
-            inherited = _has_opts(sock)
-            self._client_opts = None if inherited is None else not inherited
-            if self._client_opts:
-                log.debug("accepted sockets do not inherit the listener's options; "
-                          "setting them per connection")
-        with self._pool_lock:
-            self._live += 1
-            if self._live > self._peak_live:
-                self._peak_live = self._live
-            w = self._parked.pop() if self._parked else None
-        if w is not None:
-            w.item = (sock, client)
-            w.wake.release()
-            return
-        old = threading.stack_size(PIPE_THREAD_STACK)
-        try:
-            self._spawn_worker((sock, client))
-        except RuntimeError:  # "can't start new thread": out of memory or tasks
-            log.warning("could not start a pipe thread; closing client client=%s", client)
-            sock.close()
-            self._release_slot()
-        finally:
-            threading.stack_size(old)
-
-    def _spawn_worker(self, item: tuple[socket.socket, str] | None = None) -> None:
-        w = _Worker()
-        w.item = item
-        with self._pool_lock:
-            self._seq += 1
-            w.thread = threading.Thread(name=f"pipe-idle-{self._seq}",
-                                        target=self._worker_loop, args=(w,), daemon=True)
-            self._workers.append(w)
-            if len(self._workers) > self._peak_threads:
-                self._peak_threads = len(self._workers)
-        try:
-            w.thread.start()
-        except RuntimeError:
-            with self._pool_lock:
-                self._workers.remove(w)
-            raise
-
-    def _release_slot(self) -> None:
-        with self._pool_lock:
-            self._live -= 1
-            if self._saturated:
-                self._slot_freed.set()
-
-    # -- pipe threads -------------------------------------------------------------------
-
-    def _worker_loop(self, w: _Worker) -> None:
-        me = threading.current_thread()
-        idle_name = me.name
-        sched.apply_to_current_thread(self._sched)
-        try:
-            while True:
-                item, w.item = w.item, None
-                if item is not None:
-                    sock, client = item
-                    try:
-                        self._serve(sock, client, me)
-                    except Exception:
-                        log.exception("pipe thread failed client=%s", client)
-                        sock.close()
-                    finally:
-                        me.name = idle_name
-                if not self._park(w, served=item is not None):
-                    return
-        finally:
-            release_thread_resources()
-
-    def _park(self, w: _Worker, served: bool) -> bool:
-        """Free the connection's slot, wait for the next connection; False when this
-        thread should exit.
-
-        The slot is freed and the thread parked in one step: a thread never counts as
-        neither busy nor idle, so the acceptor starts a thread only when every thread
-        serves a live connection, and a burst never starts more threads than there are
-        connections alive at once. After a burst, a parked thread gives its kernel pipes
-        back after PIPE_IDLE_RELEASE_S, and threads beyond the pre-started ones leave the
-        pool after idle_exit_s (the LIFO hand-off keeps them the coldest), so threads
-        and descriptors return to the idle baseline.
-        """
-        with self._pool_lock:
-            if served:
-                self._live -= 1
-                if self._saturated:
-                    self._slot_freed.set()
-            if self._stopping.is_set():
-                self._workers.remove(w)
-                return False
-            self._parked.append(w)
-        if not w.wake.acquire(timeout=min(PIPE_IDLE_RELEASE_S, self.idle_exit_s)):
-            # Idle: the next connection makes fresh pipes (a few microseconds), so a
-            # parked thread holds no descriptors.
-            release_thread_resources()
-            rest = max(0.05, self.idle_exit_s - PIPE_IDLE_RELEASE_S)
-            while not w.wake.acquire(timeout=rest):
-                with self._pool_lock:
-                    if w in self._parked and len(self._workers) > self._prestart:
-                        self._parked.remove(w)
-                        self._workers.remove(w)
-                        return False
-                # Still parked (pre-started), or the acceptor just picked this thread
-                # and is about to release wake: wait again.
-        if w.item is None:  # shutdown
-            with self._pool_lock:
-                if w in self._workers:
-                    self._workers.remove(w)
-            return False
-        return True
+    # -- pipe threads (pipepool.PipePool._worker_loop calls this) ------------------------
 
     def _serve(self, client_sock: socket.socket, client: str, me: threading.Thread) -> None:
         if self._stopping.is_set():
@@ -555,56 +376,7 @@ class Proxy:
 
     def _first_answer(self, client: socket.socket, upstream: socket.socket,
                       first: bytes | None) -> tuple[bool, bytes]:
-        """Hand the client's first bytes to a new upstream; did it answer within a dial timeout?
-
-        A TCP connect proves only that the upstream's kernel is alive: a stopped
-        (SIGSTOP) or wedged API server still completes handshakes from its backlog, and a
-        client's TLS handshake would then wait for its own timeout. The client speaks
-        first in TLS, so its first bytes (the ClientHello) are read here, sent on, and
-        the upstream gets one dial timeout to send anything back (or to close).
-
-        Returns (answered, first bytes). Not judged, so answered: the client sent
-        nothing within a dial timeout, or closed, or the upstream spoke first or failed
-        (the pipe passes the error on). ``first`` is what an earlier, silent upstream
-        got; it goes to this one as it is.
-        """
-        timeout_ms = max(1, int(self._dial_timeout * 1000))
-        cfd, ufd = client.fileno(), upstream.fileno()
-        if self._native_first is not None:
-            # The same steps in C with the GIL released once, instead of four releases
-            # (poll, recv, send, poll) on every new connection.
-            answered, first = self._native_first(cfd, ufd, timeout_ms, first)
-            return bool(answered), first
-        if first is None:
-            poller = select.poll()
-            poller.register(cfd, select.POLLIN)
-            poller.register(ufd, select.POLLIN)
-            events = dict(poller.poll(timeout_ms))
-            if not events or ufd in events:
-                return True, b""
-            try:
-                first = client.recv(FIRST_BYTES_MAX, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                return True, b""
-            except OSError:
-                return True, b""  # reset: the pipe sees it too
-            if not first:
-                return True, b""
-        deadline = time.monotonic() + self._dial_timeout
-        view = memoryview(first)
-        try:
-            while view:
-                try:
-                    view = view[upstream.send(view):]
-                except BlockingIOError:
-                    poller = select.poll()
-                    poller.register(ufd, select.POLLOUT)
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not poller.poll(max(1, int(left * 1000))):
-                        return False, first
-        except OSError:
-            return True, first  # the pipe reports the upstream's error
-        poller = select.poll()
-        poller.register(ufd, select.POLLIN)
-        left = deadline - time.monotonic()
-        return bool(left > 0 and poller.poll(max(1, int(left * 1000)))), first
+        """Hand the client's first bytes to a new upstream; did it answer within a dial
+        timeout? (firstbytes.first_answer)"""
+        return first_answer(client, upstream, first, dial_timeout=self._dial_timeout,
+                            native_first=self._native_first)

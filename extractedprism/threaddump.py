@@ -2,7 +2,7 @@
 
 A goroutine-style dump of 70 threads, 63 of them idle pipe threads parked in the same
 place, is mostly repetition; grouped it is a dozen stacks, each under a header such as
-``63 threads: pipe-idle-* parked in _park (extractedprism/proxy.py:327)`` naming the innermost
+``63 threads: pipe-idle-* parked in _park (extractedprism/pipepool.py:185)`` naming the innermost
 frame of this package (where the thread *is*, rather than the ``threading`` wait it
 sits in). The caller logs the block as one record, so a log collector keeps it whole.
 """
