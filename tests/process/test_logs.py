@@ -148,11 +148,13 @@ def test_an_outage_logs_the_first_failure_then_counted_summaries(tmp_path: Path)
     assert sum(int(r.get("count", 1)) for r in dials) >= clients
 
 
-@pytest.mark.timeout(90)
-def test_a_stalled_stderr_blocks_no_connection(tmp_path: Path) -> None:
+def _start_with_stalled_stderr() -> tuple[IdentityServer, int, subprocess.Popen[Any],
+                                             int, int]:
+    """An upstream and a debug-level proxy whose stderr is a 4 KiB pipe nobody reads
+    (full after a dozen lines): (upstream, read end, process, bind port, health port)."""
     up = IdentityServer(name="up").start()
     r, w = os.pipe()
-    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ: full after a dozen lines
+    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ
     env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
 
     def start(ports: list[int]) -> subprocess.Popen[Any]:
@@ -171,6 +173,12 @@ def test_a_stalled_stderr_blocks_no_connection(tmp_path: Path) -> None:
 
     proc, (bind, health) = start_on_free_ports(start, ready)
     os.close(w)
+    return up, r, proc, bind, health
+
+
+@pytest.mark.timeout(90)
+def test_a_stalled_stderr_blocks_no_connection(tmp_path: Path) -> None:
+    up, r, proc, bind, health = _start_with_stalled_stderr()
     out: list[bytes] = []
     reader = threading.Thread(target=_read_all, args=(r, out), name="test-stderr-drain")
     try:
@@ -205,27 +213,7 @@ def _read_all(fd: int, into: list[bytes]) -> None:
 
 @pytest.mark.timeout(60)
 def test_exit_is_not_held_up_by_a_stalled_stderr(tmp_path: Path) -> None:
-    up = IdentityServer(name="up").start()
-    r, w = os.pipe()
-    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
-
-    def start(ports: list[int]) -> subprocess.Popen[Any]:
-        return subprocess.Popen(
-            [PYTHON, "-m", "extractedprism", "--endpoints", up.address,
-             "--enable-discovery=false", "--bind-port", str(ports[0]),
-             "--health-port", str(ports[1]), "--log-level", "debug",
-             "--health-interval", "2s", "--health-timeout", "1s"],
-            env=env, cwd=ROOT, stderr=w, stdout=subprocess.DEVNULL)
-
-    def ready(ports: list[int]) -> bool:
-        try:
-            return http(("127.0.0.1", ports[1]), "/healthz", timeout=1)[0] == 200
-        except OSError:
-            return False
-
-    proc, (bind, _) = start_on_free_ports(start, ready)
-    os.close(w)
+    up, r, proc, bind, _ = _start_with_stalled_stderr()
     try:
         for _ in range(50):  # far more than the pipe holds
             with socket.create_connection(("127.0.0.1", bind), timeout=5) as s:
