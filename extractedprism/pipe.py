@@ -53,9 +53,11 @@ try:
     from extractedprism import _relay  # type: ignore[attr-defined]
     _native: Callable[..., tuple[int, int, int]] | None = _relay.relay
     _close_pair: Callable[[int, int, bool], None] = _relay.close_pair
+    _judged: Callable[..., tuple[int, bytes | None, int, int, int, int]] = _relay.judged_relay
     NATIVE_ERROR = ""
 except ImportError as _exc:
     _native = None
+    _judged = None  # type: ignore[assignment]
     NATIVE_ERROR = str(_exc) or type(_exc).__name__
 if _native is not None and not HAVE_SPLICE:
     _native, NATIVE_ERROR = None, "this platform has no splice()"
@@ -240,13 +242,47 @@ class Pipe:
             # loop's buffer copy, which needs none.
         self._run_python()
 
+    def count_sent(self, n: int) -> None:
+        """Bytes handed to the upstream outside the relay (a judged call's first bytes)."""
+        self._counts[0] += n
+
+    def run_judged(self, timeout_ms: int, first: bytes | None) -> bytes | None:
+        """The silent-upstream check, then the relay, in one native call (the native
+        relay only; see Proxy._serve). Returns the client's first bytes when the upstream
+        stayed silent: nothing was relayed, both sockets stay open (the caller closes
+        the upstream and dials another with those bytes). None: relayed as run() does."""
+        pipes = _thread_pipes() if self._mode == "splice" else None
+        if pipes is None:  # no spare descriptor for a kernel pipe: the two-step path
+            from extractedprism.firstbytes import first_answer
+            answered, first = first_answer(self.client_sock, self.upstream_sock, first,
+                                           dial_timeout=timeout_ms / 1000,
+                                           native_first=_relay.first_answer)
+            if not answered:
+                return first
+            self._run_python()
+            return None
+        assert _judged is not None
+        (up_r, up_w), (down_r, down_w) = pipes
+        c, u = self.client_sock, self.upstream_sock
+        silent, first, err, left_up, left_down, first_eof = _judged(
+            c.fileno(), u.fileno(), (up_r, up_w, down_r, down_w), self._counts, timeout_ms,
+            first)
+        if silent:
+            return first
+        self._native_done(err, left_up, left_down, first_eof)
+        return None
+
     def _run_native(self, pipes: list[tuple[int, int]]) -> None:
         """One blocking call for the life of the connection, GIL released throughout."""
         assert _native is not None
         (up_r, up_w), (down_r, down_w) = pipes
         c, u = self.client_sock, self.upstream_sock
-        err, left_up, left_down, first_eof = _native(
-            c.fileno(), u.fileno(), (up_r, up_w, down_r, down_w), self._counts)
+        self._native_done(*_native(c.fileno(), u.fileno(), (up_r, up_w, down_r, down_w),
+                                   self._counts))
+
+    def _native_done(self, err: int, left_up: int, left_down: int, first_eof: int) -> None:
+        """After the native relay: note who ended it, drop dirty pipes, close both."""
+        c, u = self.client_sock, self.upstream_sock
         if first_eof and not self.ended_by:
             self.ended_by, self.end_reason = _EOF_SIDE[first_eof], "eof"
         if left_up or left_down:

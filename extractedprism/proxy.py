@@ -101,6 +101,8 @@ class Proxy(PipePool):
         # RelayUnavailable for relay="native" without the extension).
         self.relay = resolve_relay(relay)
         self._native_first = native_first_answer() if self.relay == "native" else None
+        # The native relay runs the silent-upstream check itself (Pipe.run_judged).
+        self._judge_in_relay = self.relay == "native"
         self._pool_lock = threading.Lock()
         # Live connections (slots taken), under _pool_lock; the acceptor waits on
         # _slot_freed only while saturated, so the common path is one C-level lock.
@@ -335,7 +337,16 @@ class Proxy(PipePool):
                 return
             addr = res.address
             with res:  # attach ends the reservation; anything raised before it too
-                if res.panic:
+                pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
+                            relay=self.relay)
+                attached = None
+                if self._judge_in_relay and not res.panic:
+                    # The common case: attached now, judged by the relay's own first
+                    # call (Pipe.run_judged), one GIL round trip fewer per connection.
+                    attached = reg.attach_unjudged(res, pipe)
+                if attached is not None:
+                    pass
+                elif res.panic:
                     if first:  # a silent upstream had them; nothing else left to judge by
                         self._first_answer(client_sock, upstream, first)
                 else:
@@ -345,12 +356,13 @@ class Proxy(PipePool):
                         # completes handshakes. Nothing went back to the client yet, so
                         # its first bytes can go to the next upstream instead.
                         upstream.close()
-                        self._dialer.failed(addr, f"no answer within {self._dial_timeout:g}s "
-                                            "of the client's first bytes")
+                        self._silent(addr)
                         continue
-                pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
-                            relay=self.relay)
-                attached = reg.attach(res, pipe)
+                if attached is None:
+                    attached = reg.attach(res, pipe)
+                    judge_ms = 0
+                else:
+                    judge_ms = max(1, int(self._dial_timeout * 1000))
             if not attached:
                 upstream.close()
                 if drain_retry and not reg.closing:
@@ -366,13 +378,35 @@ class Proxy(PipePool):
             if debug:
                 connlog.opened(log, client, addr, time.monotonic() - t0)
                 t0 = time.monotonic()
+            silent = None
             try:
-                pipe.run()
+                if judge_ms:
+                    silent = pipe.run_judged(judge_ms, first)
+                    if silent is not None and not reg.any_pickable(exclude=tried):
+                        # Silent, but nothing else to give the bytes to: this one has
+                        # them already, and may still answer (as the two-step path does).
+                        pipe.count_sent(len(silent))
+                        silent = None
+                        pipe.run()
+                else:
+                    pipe.run()
             finally:
                 reg.detach(addr, pipe)
-                if debug:
+                if debug and silent is None:
                     connlog.closed(log, pipe, t0)
-            return
+            if silent is None:
+                return
+            # Connected, but silent: a frozen process whose kernel still completes
+            # handshakes. Nothing went back to the client yet, so its first bytes go to
+            # the next upstream instead.
+            first = silent
+            upstream.close()
+            self._silent(addr)
+
+    def _silent(self, addr: str) -> None:
+        """A connected upstream did not answer the client's first bytes: a failed dial."""
+        self._dialer.failed(addr, f"no answer within {self._dial_timeout:g}s "
+                            "of the client's first bytes")
 
     def _first_answer(self, client: socket.socket, upstream: socket.socket,
                       first: bytes | None) -> tuple[bool, bytes]:

@@ -351,26 +351,47 @@ class Registry(AdminActions):
 
         The reservation's dial succeeded: recorded here, in the same lock round trip. A
         plain address attaches without a reservation and records nothing (tests, tools)."""
-        fx = None
         with self.lock:
-            if isinstance(target, Reservation):
-                target.take_locked()
-                addr = target.address
-                fx = self._record_dial_locked(addr, True, "", True, target.dial_seconds)
-            else:
-                addr = target
-            rec = self._ups.get(addr)
-            ok = not (rec is None or rec.state.draining or rec.state.admin_drained
-                      or self._closing)
-            if ok:
-                assert rec is not None
-                rec.conns[id(conn)] = conn
-                rec.total_connections += 1
-                self._conn_count += 1
-                self._connections_total += 1
+            ok, fx = self._attach_locked(target, conn)
         if fx is not None:
             self._run(fx)
         return ok
+
+    def attach_unjudged(self, res: Reservation, conn: Tracked) -> bool | None:
+        """attach() before the silent-upstream check has judged the dial, so the check
+        and the relay can run as one native call (Pipe.run_judged). Only where the dial's
+        success changes nothing about the upstream (no streak to clear, no readiness to
+        reset: the common case), so a silent verdict recorded after it (Dialer.failed)
+        counts exactly as if the check had come first. None: it would change something;
+        nothing was done, and the caller judges first and then calls attach()."""
+        with self.lock:
+            rec = self._ups.get(res.address)
+            if rec is not None and not rec.state.draining and sm.on_dial(
+                    rec.state, True, "", readyz=self._readyz)[0] is not rec.state:
+                return None
+            ok, fx = self._attach_locked(res, conn)
+        assert fx is None  # a success that changes nothing has no effects
+        return ok
+
+    def _attach_locked(self, target: Reservation | str, conn: Tracked
+                       ) -> tuple[bool, Effects | None]:
+        fx = None
+        if isinstance(target, Reservation):
+            target.take_locked()
+            addr = target.address
+            fx = self._record_dial_locked(addr, True, "", True, target.dial_seconds)
+        else:
+            addr = target
+        rec = self._ups.get(addr)
+        ok = not (rec is None or rec.state.draining or rec.state.admin_drained
+                  or self._closing)
+        if ok:
+            assert rec is not None
+            rec.conns[id(conn)] = conn
+            rec.total_connections += 1
+            self._conn_count += 1
+            self._connections_total += 1
+        return ok, fx
 
     def detach(self, addr: str, conn: Tracked) -> None:
         with self.lock:

@@ -61,7 +61,9 @@ def relay_app(make_app, monkeypatch, path: str, endpoints, **kw):  # type: ignor
 @pytest.mark.parametrize("path", RELAY_PATHS)
 def test_large_payload_both_ways_intact(make_app, servers, monkeypatch, path):
     calls = collections.Counter()
-    real_splice, real_native = pipe_mod._splice, pipe_mod._native
+    real_splice = pipe_mod._splice
+    real_native = getattr(pipe_mod, "_native", None)
+    real_judged = getattr(pipe_mod, "_judged", None)
 
     def counting_splice(*args):  # type: ignore[no-untyped-def]
         calls["splice"] += 1
@@ -72,8 +74,16 @@ def test_large_payload_both_ways_intact(make_app, servers, monkeypatch, path):
         assert real_native is not None
         return real_native(*args)
 
+    def counting_judged(*args):  # type: ignore[no-untyped-def]
+        # The silent-upstream check and the relay in one native call (Pipe.run_judged).
+        calls["native"] += 1
+        assert real_judged is not None
+        return real_judged(*args)
+
     monkeypatch.setattr(pipe_mod, "_splice", counting_splice)
     monkeypatch.setattr(pipe_mod, "_native", counting_native)
+    if real_judged is not None:
+        monkeypatch.setattr(pipe_mod, "_judged", counting_judged)
     (echo,) = servers(1, EchoServer)
     app = relay_app(make_app, monkeypatch, path, [echo.endpoint])
     payload = os.urandom(50 * 1024 * 1024)
