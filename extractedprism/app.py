@@ -101,7 +101,8 @@ class App:
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
-                           pipe_sched=config.pipe_sched, relay=config.relay,
+                           pipe_sched=config.pipe_sched, gil_cpu=config.gil_cpu,
+                           relay=config.relay,
                            dial_hedge_delay=config.dial_hedge_delay,
                            on_accept_loop=self.heartbeat.accept_turned)
         # The data path in use, "native" or "python" (--relay resolved; logged at start,

@@ -37,6 +37,7 @@ from extractedprism.flags import (
     parse_duration,
     show_value,
 )
+from extractedprism.sched import gil_cpu_valid
 from extractedprism.selection import MODES as SELECTION_MODES  # selection owns its modes
 
 __all__ = [
@@ -185,6 +186,16 @@ FLAGS: tuple[Flag, ...] = (
         "unchanged: a woken pipe thread does not preempt the one holding the GIL, which "
         "saves most context switches) or normal (SCHED_OTHER)",
         PIPE_SCHED_POLICIES,
+    ),
+    Flag(
+        "gil-cpu",
+        "str",
+        "auto",
+        "CPU for the threads that run Python (acceptor and pipe threads), so the GIL never "
+        "crosses CPUs on a hand-off; a connection that keeps moving bytes is let out to every "
+        "CPU after a few relay wake-ups. auto: the highest CPU this process may use, when it "
+        "may use two or more; off: no pinning; or a CPU number",
+        checks=(Check(gil_cpu_valid, "must be auto, off, or a CPU this process may run on"),),
     ),
     Flag(
         "relay",
@@ -339,6 +350,7 @@ class Config:
     kubeconfig: str = ""
     max_connections: int = 4096
     pipe_sched: str = "batch"
+    gil_cpu: str = "auto"
     relay: str = "auto"
     dial_hedge_delay: float = 0.25
     handover_socket: str = ""

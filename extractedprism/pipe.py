@@ -176,12 +176,13 @@ class _Half:
 class Pipe:
     """Copies bytes both ways between ``client`` and ``upstream`` until both are done."""
 
-    __slots__ = ("_closed", "_counts", "_done", "_lock", "_mode", "_relay", "client",
+    __slots__ = ("_closed", "_counts", "_done", "_lock", "_mode", "_pin", "_relay", "client",
                  "client_sock", "end_reason", "ended_by", "started", "upstream",
                  "upstream_sock")
 
     def __init__(self, client: socket.socket, upstream: socket.socket, *, client_addr: str,
-                 upstream_addr: str, relay: str = "python", mode: str | None = None) -> None:
+                 upstream_addr: str, relay: str = "python", mode: str | None = None,
+                 pin: int = 0) -> None:
         self.client_sock = client
         self.upstream_sock = upstream
         self.client = client_addr
@@ -201,6 +202,7 @@ class Pipe:
         self._lock = threading.Lock()
         self._done = False
         self._relay = relay  # "native" | "python" (see resolve_relay)
+        self._pin = pin  # the pipe thread's --gil-cpu CPU + 1, or 0 (the native relay's pin)
         # The Python loop's copy: "splice" through kernel pipes or "buffer" (tests force
         # "buffer"; it is also the fallback where there is no splice or no spare fd).
         self._mode = mode or ("splice" if HAVE_SPLICE else "buffer")
@@ -266,7 +268,7 @@ class Pipe:
         c, u = self.client_sock, self.upstream_sock
         silent, first, err, left_up, left_down, first_eof = _judged(
             c.fileno(), u.fileno(), (up_r, up_w, down_r, down_w), self._counts, timeout_ms,
-            first)
+            first, self._pin)
         if silent:
             return first
         self._native_done(err, left_up, left_down, first_eof)
@@ -278,7 +280,7 @@ class Pipe:
         (up_r, up_w), (down_r, down_w) = pipes
         c, u = self.client_sock, self.upstream_sock
         self._native_done(*_native(c.fileno(), u.fileno(), (up_r, up_w, down_r, down_w),
-                                   self._counts))
+                                   self._counts, self._pin))
 
     def _native_done(self, err: int, left_up: int, left_down: int, first_eof: int) -> None:
         """After the native relay: note who ended it, drop dirty pipes, close both."""

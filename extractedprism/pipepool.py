@@ -69,6 +69,7 @@ class PipePool:
     _stopping: threading.Event
     _seq: int
     _sched: str
+    gil_cpu: int | None
     _prestart: int
     idle_exit_s: float
 
@@ -137,6 +138,8 @@ class PipePool:
         me = threading.current_thread()
         idle_name = me.name
         sched.apply_to_current_thread(self._sched)
+        if self.gil_cpu is not None:
+            sched.pin_current_thread(self.gil_cpu)
         try:
             while True:
                 item, w.item = w.item, None

@@ -90,6 +90,7 @@ class Proxy(PipePool):
 
     def __init__(self, registry: Registry, *, bind_address: str, bind_port: int,
                  dial_timeout: float, max_connections: int, pipe_sched: str = "batch",
+                 gil_cpu: str = "off",
                  relay: str = "auto", dial_hedge_delay: float = 0.0,
                  on_accept_loop: Callable[[], None] | None = None) -> None:
         self._registry = registry
@@ -97,12 +98,16 @@ class Proxy(PipePool):
         self._dial_timeout = dial_timeout
         self._max = max_connections
         self._sched = pipe_sched
+        # --gil-cpu: the CPU the acceptor and pipe threads are pinned to (sched.py), or None.
+        plan = sched.gil_cpu_plan(gil_cpu)
+        self.gil_cpu = plan[0] if plan is not None else None
         # The byte copy every connection uses, "native" or "python", fixed at start (raises
         # RelayUnavailable for relay="native" without the extension).
         self.relay = resolve_relay(relay)
         self._native_first = native_first_answer() if self.relay == "native" else None
         # The native relay runs the silent-upstream check itself (Pipe.run_judged).
         self._judge_in_relay = self.relay == "native"
+        self._pin = 0 if self.gil_cpu is None else self.gil_cpu + 1  # the native relay's
         self._pool_lock = threading.Lock()
         # Live connections (slots taken), under _pool_lock; the acceptor waits on
         # _slot_freed only while saturated, so the common path is one C-level lock.
@@ -196,6 +201,8 @@ class Proxy(PipePool):
         self._acceptor = threading.Thread(name="acceptor", target=self._accept_loop,
                                           daemon=True)
         self._acceptor.start()
+        if self.gil_cpu is not None:
+            log.info("acceptor and pipe threads run Python on one CPU cpu=%d", self.gil_cpu)
 
 
     def acceptor_alive(self) -> bool:
@@ -260,6 +267,8 @@ class Proxy(PipePool):
     def _accept_loop(self) -> None:
         assert self._listener is not None
         sched.apply_to_current_thread(self._sched)
+        if self.gil_cpu is not None:
+            sched.pin_current_thread(self.gil_cpu)
         listener = self._listener
         family = listener.family
         # socket.accept() converts family and type to enums on every call; the raw
@@ -338,7 +347,7 @@ class Proxy(PipePool):
             addr = res.address
             with res:  # attach ends the reservation; anything raised before it too
                 pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
-                            relay=self.relay)
+                            relay=self.relay, pin=self._pin)
                 attached = None
                 if self._judge_in_relay and not res.panic:
                     # The common case: attached now, judged by the relay's own first

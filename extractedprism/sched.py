@@ -56,3 +56,62 @@ def apply_to_current_thread(name: str) -> bool:
                         "keeping the default", name, exc.strerror)
         return False
     return True
+
+
+# -- one CPU for the threads that run Python (--gil-cpu) ----------------------------
+#
+# # why
+# CPython runs Python on one CPU at a time, whatever the thread count. When the
+# acceptor hands a client to a pipe thread parked on another CPU, or a pipe thread
+# returns from the relay there, the kernel wakes that CPU with an interrupt and the GIL
+# then crosses CPUs (a cold cache line, often a second wake-up when the GIL is still
+# held). Kept on one CPU, each of those hand-offs is a local context switch instead.
+# Measured with 64 clients opening one connection per request: context switches per
+# connection 8.8 -> 3.8, new connections/s 0.34 -> 0.42 of HAProxy's in the same run
+# (docs/performance.md). The bytes need no GIL, so a connection that keeps moving them
+# is let out to every CPU after _relay.UNPIN_AFTER_WAKEUPS relay wake-ups (_relay.c; the
+# pure-Python relay, being GIL-bound, stays): without that, 64 keep-alive connections
+# on one CPU took keep-alive p99 from 4.8 ms to 87 ms.
+
+
+def gil_cpu_valid(value: str) -> bool:
+    """--gil-cpu: auto, off, or a CPU this process may run on."""
+    if value in ("auto", "off"):
+        return True
+    if not value.isdigit():
+        return False
+    allowed = allowed_cpus()
+    return allowed is None or int(value) in allowed
+
+
+def allowed_cpus() -> set[int] | None:
+    """The CPUs this process may run on (None where the platform cannot tell)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def gil_cpu_plan(value: str) -> tuple[int, set[int]] | None:
+    """--gil-cpu -> (the CPU for the Python threads, every allowed CPU), or None: off,
+    or nothing to gain (a single allowed CPU, or no affinity support). ``auto`` takes the
+    highest allowed CPU: CPU 0 is where many kernels steer housekeeping and interrupts."""
+    allowed = allowed_cpus()
+    if value == "off" or allowed is None or len(allowed) < 2:
+        return None
+    cpu = max(allowed) if value == "auto" else int(value)
+    return (cpu, allowed) if cpu in allowed else None
+
+
+def pin_current_thread(cpu: int) -> bool:
+    """Keep the calling thread on ``cpu``; False (logged once) if refused."""
+    global _warned
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError as exc:
+        if not _warned:
+            _warned = True
+            log.warning("could not pin thread to a CPU cpu=%d reason=%r; leaving it "
+                        "unpinned", cpu, exc.strerror)
+        return False
+    return True

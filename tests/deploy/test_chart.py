@@ -62,6 +62,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "kubeconfig": "/etc/extractedprism/kubeconfig",
     "max-connections": 1000000,
     "pipe-sched": "normal",
+    "gil-cpu": "off",
     "relay": "python",
     "dial-hedge-delay": "0s",
     "handover-socket": "/run/ep/handover.sock",

@@ -223,6 +223,7 @@ health-check-server-name: healthCheckServerName
 kubeconfig: kubeconfig
 max-connections: maxConnections
 pipe-sched: pipeSched
+gil-cpu: gilCpu
 relay: relay
 dial-hedge-delay: dialHedgeDelay
 handover-socket: handoverSocket
