@@ -68,7 +68,14 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CHUNK (64 * 1024)
+#define CHUNK (64 * 1024) /* a default kernel pipe's capacity */
+/* A direction that has moved GROW_AFTER bytes is a bulk transfer: its kernel pipe grows
+ * to BIG_PIPE, so each splice moves up to that much (16 times fewer syscalls per byte;
+ * HAProxy's tune.pipesize). The pipe shrinks back when the call ends: a thread's pipes
+ * outlive its connections, and the kernel caps what a user's pipes may hold in all
+ * (fs.pipe-user-pages-soft), beyond which every new pipe gets a single page. */
+#define GROW_AFTER (4 * 1024 * 1024)
+#define BIG_PIPE (1024 * 1024)
 #define SPLICE_FLAGS (SPLICE_F_MOVE | SPLICE_F_NONBLOCK)
 /* Reported whatever was asked for; the next splice on that fd says what happened. */
 #define WOKE (POLLERR | POLLHUP | POLLNVAL)
@@ -91,6 +98,8 @@ struct half {
     uint64_t *count;      /* live byte counter in the caller's buffer */
     int side;             /* 1: reads the client, 2: reads the upstream */
     int *first_eof;       /* shared by both directions */
+    size_t chunk;         /* bytes per splice: the pipe's capacity */
+    int grown;            /* 1 grown to BIG_PIPE, -1 the kernel refused, 0 not yet */
 };
 
 static int set_nonblocking(int fd) {
@@ -121,10 +130,21 @@ static int flush(struct half *h) {
     return pass_eof(h);
 }
 
+static void grow(struct half *h) {
+    int size = fcntl(h->pipe_w, F_SETPIPE_SZ, BIG_PIPE);
+    h->grown = size >= BIG_PIPE ? 1 : -1;
+    if (h->grown > 0) h->chunk = (size_t)size;
+}
+
+/* Back to a default pipe once empty (a pipe still holding bytes is dropped by the caller). */
+static void shrink(struct half *h) {
+    if (h->grown > 0 && !h->pending) (void)fcntl(h->pipe_w, F_SETPIPE_SZ, CHUNK);
+}
+
 /* src is readable: move what it has on, until it is empty, dst is full, or EOF. */
 static int pump(struct half *h) {
     while (!h->eof && !h->pending) {
-        ssize_t n = splice(h->src, NULL, h->pipe_w, NULL, CHUNK, SPLICE_FLAGS);
+        ssize_t n = splice(h->src, NULL, h->pipe_w, NULL, h->chunk, SPLICE_FLAGS);
         if (n < 0) {
             if (errno == EINTR) continue;
             return errno == EAGAIN ? 0 : errno;
@@ -138,7 +158,8 @@ static int pump(struct half *h) {
         __atomic_store_n(h->count, *h->count + (uint64_t)n, __ATOMIC_RELAXED);
         int err = flush(h);
         if (err) return err;
-        if (n < CHUNK) break; /* a short read: src is (almost surely) empty, back to poll */
+        if ((size_t)n < h->chunk) break; /* a short read: src is (almost surely) empty */
+        if (!h->grown && *h->count >= GROW_AFTER) grow(h);
     }
     return 0;
 }
@@ -194,6 +215,8 @@ static int run_loop(struct half h[2], int pin, int *unpinned) {
 static int run(struct half h[2], int pin) {
     int unpinned = 0;
     int err = run_loop(h, pin && have_all_cpus, &unpinned);
+    shrink(&h[0]);
+    shrink(&h[1]);
     if (unpinned) { /* back to the GIL's CPU before Python runs again on this thread */
         cpu_set_t one;
         CPU_ZERO(&one);
@@ -219,8 +242,8 @@ static PyObject *relay(PyObject *self, PyObject *args) {
     uint64_t *count = counters.buf;
     int first_eof = 0;
     struct half h[2] = {
-        {cfd, ufd, up_r, up_w, 0, 0, 0, &count[0], 1, &first_eof},
-        {ufd, cfd, down_r, down_w, 0, 0, 0, &count[1], 2, &first_eof},
+        {cfd, ufd, up_r, up_w, 0, 0, 0, &count[0], 1, &first_eof, CHUNK, 0},
+        {ufd, cfd, down_r, down_w, 0, 0, 0, &count[1], 2, &first_eof, CHUNK, 0},
     };
     int err;
     Py_BEGIN_ALLOW_THREADS
@@ -393,8 +416,8 @@ static PyObject *judged_relay(PyObject *self, PyObject *args) {
     if (have) memcpy(buf, PyBytes_AS_STRING(first), (size_t)n);
     int first_eof = 0, err = 0, silent = 0;
     struct half h[2] = {
-        {cfd, ufd, up_r, up_w, 0, 0, 0, &count[0], 1, &first_eof},
-        {ufd, cfd, down_r, down_w, 0, 0, 0, &count[1], 2, &first_eof},
+        {cfd, ufd, up_r, up_w, 0, 0, 0, &count[0], 1, &first_eof, CHUNK, 0},
+        {ufd, cfd, down_r, down_w, 0, 0, 0, &count[1], 2, &first_eof, CHUNK, 0},
     };
     Py_BEGIN_ALLOW_THREADS
     if (set_nonblocking(cfd) < 0 || set_nonblocking(ufd) < 0) {
