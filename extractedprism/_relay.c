@@ -42,11 +42,12 @@
  * wait for the client's first bytes (unless ``first`` is given: a silent upstream had
  * them), send them on, and give the upstream ``timeout_ms`` to answer or close.
  *
- * judged_relay(client_fd, upstream_fd, pipes, counters, timeout_ms, first[, pin])
+ * judged_relay(client_fd, upstream_fd, pipes, counters, timeout_ms, first[, pin[, sent]])
  *   -> (silent, first, errno, left_up, left_down, first_eof)
  *   first_answer and relay in one call, so a new connection costs its pipe thread one
  *   GIL round trip fewer (issue 16, item 3): when the upstream answers (or the check
  *   cannot judge), the relay starts at once, without going back to Python in between.
+ *   sent: how many of ``first`` went to this upstream already (take_first, below).
  *   silent=1: the upstream said nothing within timeout_ms of the client's first bytes;
  *   nothing went back to the client, both sockets are untouched apart from O_NONBLOCK,
  *   and ``first`` holds the bytes to give the next upstream. silent=0: relayed as
@@ -341,9 +342,10 @@ static int wait_fd(int fd, short events, int64_t deadline) {
 
 #define FIRST_MAX (16 * 1024) /* a TLS ClientHello is one record */
 
-/* 1 answered (or not judged), 0 silent; *n is the length of the first bytes in buf. */
+/* 1 answered (or not judged), 0 silent; *n is the length of the first bytes in buf, of
+ * which the first ``sent`` went to this upstream already (take_first). */
 static int first_answer_nogil(int cfd, int ufd, int timeout_ms, char *buf, Py_ssize_t *n,
-                              int have_first) {
+                              int have_first, Py_ssize_t sent) {
     if (!have_first) {
         struct pollfd p[2] = {{cfd, POLLIN, 0}, {ufd, POLLIN, 0}};
         int r;
@@ -354,7 +356,7 @@ static int first_answer_nogil(int cfd, int ufd, int timeout_ms, char *buf, Py_ss
         *n = got;
     }
     int64_t deadline = now_ms() + timeout_ms;
-    for (Py_ssize_t off = 0; off < *n;) {
+    for (Py_ssize_t off = sent; off < *n;) {
         ssize_t w = send(ufd, buf + off, (size_t)(*n - off), MSG_DONTWAIT | MSG_NOSIGNAL);
         if (w >= 0) {
             off += w;
@@ -370,11 +372,13 @@ static int first_answer_nogil(int cfd, int ufd, int timeout_ms, char *buf, Py_ss
 static PyObject *first_answer(PyObject *self, PyObject *args) {
     (void)self;
     int cfd, ufd, timeout_ms;
+    Py_ssize_t sent = 0;
     PyObject *first;
-    if (!PyArg_ParseTuple(args, "iiiO:first_answer", &cfd, &ufd, &timeout_ms, &first))
+    if (!PyArg_ParseTuple(args, "iiiO|n:first_answer", &cfd, &ufd, &timeout_ms, &first, &sent))
         return NULL;
     int have = first != Py_None;
-    if (have && (!PyBytes_Check(first) || PyBytes_GET_SIZE(first) > FIRST_MAX)) {
+    if (have && (!PyBytes_Check(first) || PyBytes_GET_SIZE(first) > FIRST_MAX ||
+                 sent < 0 || sent > PyBytes_GET_SIZE(first))) {
         PyErr_SetString(PyExc_ValueError, "first must be None or at most 16 KiB of bytes");
         return NULL;
     }
@@ -383,24 +387,42 @@ static PyObject *first_answer(PyObject *self, PyObject *args) {
     if (have) memcpy(stack, PyBytes_AS_STRING(first), (size_t)n);
     int answered;
     Py_BEGIN_ALLOW_THREADS
-    answered = first_answer_nogil(cfd, ufd, timeout_ms, stack, &n, have);
+    answered = first_answer_nogil(cfd, ufd, timeout_ms, stack, &n, have, have ? sent : 0);
     Py_END_ALLOW_THREADS
     if (have) return Py_BuildValue("(iO)", answered, first);
     return Py_BuildValue("(iy#)", answered, stack, n);
 }
 
+/* take_first(client_fd, upstream_fd) -> (first, sent): the client's first bytes, if they
+ * are there already, read and sent on at once, keeping the GIL (two calls that cannot
+ * block), so the upstream starts on them while Python attaches the connection;
+ * ``sent`` of them went out (a full send buffer sends the rest later). (None, 0): none
+ * yet, or EOF or an error, which the relay sees. */
+static PyObject *take_first(PyObject *self, PyObject *args) {
+    (void)self;
+    int cfd, ufd;
+    if (!PyArg_ParseTuple(args, "ii:take_first", &cfd, &ufd)) return NULL;
+    char buf[FIRST_MAX];
+    ssize_t got = recv(cfd, buf, FIRST_MAX, MSG_DONTWAIT);
+    if (got <= 0) return Py_BuildValue("(On)", Py_None, (Py_ssize_t)0);
+    ssize_t w = send(ufd, buf, (size_t)got, MSG_DONTWAIT | MSG_NOSIGNAL);
+    return Py_BuildValue("(y#n)", buf, (Py_ssize_t)got, (Py_ssize_t)(w > 0 ? w : 0));
+}
+
 static PyObject *judged_relay(PyObject *self, PyObject *args) {
     (void)self;
     int cfd, ufd, up_r, up_w, down_r, down_w, timeout_ms, pin = 0;
+    Py_ssize_t sent = 0;
     Py_buffer counters;
     PyObject *first;
-    if (!PyArg_ParseTuple(args, "ii(iiii)w*iO|i:judged_relay", &cfd, &ufd, &up_r, &up_w,
-                          &down_r, &down_w, &counters, &timeout_ms, &first, &pin))
+    if (!PyArg_ParseTuple(args, "ii(iiii)w*iO|in:judged_relay", &cfd, &ufd, &up_r, &up_w,
+                          &down_r, &down_w, &counters, &timeout_ms, &first, &pin, &sent))
         return NULL;
     int have = first != Py_None;
     if (counters.len < (Py_ssize_t)(2 * sizeof(uint64_t)) ||
         (uintptr_t)counters.buf % _Alignof(uint64_t) || pin < 0 || pin > CPU_SETSIZE ||
-        (have && (!PyBytes_Check(first) || PyBytes_GET_SIZE(first) > FIRST_MAX))) {
+        (have && (!PyBytes_Check(first) || PyBytes_GET_SIZE(first) > FIRST_MAX ||
+                  sent < 0 || sent > PyBytes_GET_SIZE(first)))) {
         PyBuffer_Release(&counters);
         PyErr_SetString(PyExc_ValueError, "counters must be 16 aligned bytes, first None or "
                         "at most 16 KiB of bytes");
@@ -423,7 +445,7 @@ static PyObject *judged_relay(PyObject *self, PyObject *args) {
     if (set_nonblocking(cfd) < 0 || set_nonblocking(ufd) < 0) {
         err = errno;
     } else {
-        silent = !first_answer_nogil(cfd, ufd, timeout_ms, buf, &n, have);
+        silent = !first_answer_nogil(cfd, ufd, timeout_ms, buf, &n, have, have ? sent : 0);
         if (!silent) {
             /* What went on before the relay: the first bytes (all of them, when answered). */
             __atomic_store_n(&count[0], count[0] + (uint64_t)n, __ATOMIC_RELAXED);
@@ -450,6 +472,8 @@ static PyMethodDef methods[] = {
      "connect(family, host, port, options) -> (fd, errno): non-blocking connect started."},
     {"first_answer", first_answer, METH_VARARGS,
      "first_answer(client_fd, upstream_fd, timeout_ms, first) -> (answered, first)"},
+    {"take_first", take_first, METH_VARARGS,
+     "take_first(client_fd, upstream_fd) -> (first, sent): first bytes read and sent on."},
     {"judged_relay", judged_relay, METH_VARARGS,
      "judged_relay(client_fd, upstream_fd, pipes, counters, timeout_ms, first) -> "
      "(silent, first, errno, left_up, left_down, first_eof)\n\nfirst_answer, then relay "

@@ -23,12 +23,12 @@ from collections.abc import Callable
 # (at most 16 KiB); anything past it stays in the socket for the pipe.
 FIRST_BYTES_MAX = 16 * 1024
 
-NativeFirstAnswer = Callable[[int, int, int, bytes | None], tuple[int, bytes]]
+NativeFirstAnswer = Callable[[int, int, int, bytes | None, int], tuple[int, bytes]]
 
 
 def first_answer(client: socket.socket, upstream: socket.socket, first: bytes | None, *,
-                 dial_timeout: float,
-                 native_first: NativeFirstAnswer | None) -> tuple[bool, bytes]:
+                 dial_timeout: float, native_first: NativeFirstAnswer | None,
+                 sent: int = 0) -> tuple[bool, bytes]:
     """Hand the client's first bytes to a new upstream; did it answer within a dial timeout?
 
     A TCP connect proves only that the upstream's kernel is alive: a stopped
@@ -40,14 +40,15 @@ def first_answer(client: socket.socket, upstream: socket.socket, first: bytes | 
     Returns (answered, first bytes). Not judged, so answered: the client sent
     nothing within a dial timeout, or closed, or the upstream spoke first or failed
     (the pipe passes the error on). ``first`` is what an earlier, silent upstream
-    got; it goes to this one as it is.
+    got, or what Proxy._serve took and sent on at once (``sent`` of them reached this
+    upstream already); the rest goes to this one as it is.
     """
     timeout_ms = max(1, int(dial_timeout * 1000))
     cfd, ufd = client.fileno(), upstream.fileno()
     if native_first is not None:
         # The same steps in C with the GIL released once, instead of four releases
         # (poll, recv, send, poll) on every new connection.
-        answered, first = native_first(cfd, ufd, timeout_ms, first)
+        answered, first = native_first(cfd, ufd, timeout_ms, first, sent)
         return bool(answered), first
     if first is None:
         poller = select.poll()
@@ -65,7 +66,7 @@ def first_answer(client: socket.socket, upstream: socket.socket, first: bytes | 
         if not first:
             return True, b""
     deadline = time.monotonic() + dial_timeout
-    view = memoryview(first)
+    view = memoryview(first)[sent:]
     try:
         while view:
             try:

@@ -54,10 +54,12 @@ try:
     _native: Callable[..., tuple[int, int, int]] | None = _relay.relay
     _close_pair: Callable[[int, int, bool], None] = _relay.close_pair
     _judged: Callable[..., tuple[int, bytes | None, int, int, int, int]] = _relay.judged_relay
+    take_first: Callable[[int, int], tuple[bytes | None, int]] | None = _relay.take_first
     NATIVE_ERROR = ""
 except ImportError as _exc:
     _native = None
     _judged = None  # type: ignore[assignment]
+    take_first = None
     NATIVE_ERROR = str(_exc) or type(_exc).__name__
 if _native is not None and not HAVE_SPLICE:
     _native, NATIVE_ERROR = None, "this platform has no splice()"
@@ -248,17 +250,18 @@ class Pipe:
         """Bytes handed to the upstream outside the relay (a judged call's first bytes)."""
         self._counts[0] += n
 
-    def run_judged(self, timeout_ms: int, first: bytes | None) -> bytes | None:
+    def run_judged(self, timeout_ms: int, first: bytes | None, sent: int = 0) -> bytes | None:
         """The silent-upstream check, then the relay, in one native call (the native
         relay only; see Proxy._serve). Returns the client's first bytes when the upstream
         stayed silent: nothing was relayed, both sockets stay open (the caller closes
-        the upstream and dials another with those bytes). None: relayed as run() does."""
+        the upstream and dials another with those bytes). None: relayed as run() does.
+        ``sent``: how many of ``first`` this upstream has already (take_first)."""
         pipes = _thread_pipes() if self._mode == "splice" else None
         if pipes is None:  # no spare descriptor for a kernel pipe: the two-step path
             from extractedprism.firstbytes import first_answer
             answered, first = first_answer(self.client_sock, self.upstream_sock, first,
                                            dial_timeout=timeout_ms / 1000,
-                                           native_first=_relay.first_answer)
+                                           native_first=_relay.first_answer, sent=sent)
             if not answered:
                 return first
             self._run_python()
@@ -268,7 +271,7 @@ class Pipe:
         c, u = self.client_sock, self.upstream_sock
         silent, first, err, left_up, left_down, first_eof = _judged(
             c.fileno(), u.fileno(), (up_r, up_w, down_r, down_w), self._counts, timeout_ms,
-            first, self._pin)
+            first, self._pin, sent)
         if silent:
             return first
         self._native_done(err, left_up, left_down, first_eof)
