@@ -31,9 +31,17 @@ import threading
 import time
 
 from extractedprism import connlog
+from extractedprism.endpoints import Endpoint
 from extractedprism.registry import Registry
 from extractedprism.reservation import Reservation
-from extractedprism.sockopts import addresses, begin_connect, describe_error, dial
+from extractedprism.sockopts import (
+    addresses,
+    begin_connect,
+    describe_error,
+    dial,
+    native_connect,
+    native_target,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +85,8 @@ class Dialer:
         self._hedge = hedge_delay if 0 < hedge_delay < dial_timeout else 0.0
         self._stopping = stopping
         self._reaper = _Reaper(self)
+        # endpoint -> the extension's connect arguments (None: a hostname), for _fast.
+        self._targets: dict[Endpoint, tuple[int, str, int] | None] = {}
 
     def shutdown(self) -> None:
         self._reaper.stop()
@@ -116,15 +126,83 @@ class Dialer:
         """Pick and dial until one upstream answers; ``tried`` collects every upstream
         tried. The reservation returned with the socket is still held: the caller
         attaches or releases it. (None, None): nothing answered, panic mode included."""
-        if not self._hedge:
-            return self._connect_serial(tried)
         dials: list[_Dial] = []
+        if self._native:
+            won = self._fast(tried, dials)
+            if won is not None:
+                return won
+        if not self._hedge:
+            assert not dials
+            return self._connect_serial(tried)
         try:
             return self._connect_hedged(tried, dials)
         finally:
             for d in dials:  # an exception: nothing left counted or open
                 d.close()
                 d.res.release()
+
+    def _fast(self, tried: set[str], dials: list[_Dial]
+              ) -> tuple[socket.socket, Reservation] | None:
+        """The common case in the least Python, since it is on every new connection's
+        way to its upstream: a numeric endpoint whose connect completes at once
+        (loopback, a near host), one extension call. Else None: a connect in progress
+        is left in ``dials`` (hedging on) or finished here (hedging off), a failure is
+        recorded, and the general path goes on from there."""
+        res = self._registry.reserve(exclude=tried)
+        if res is None:
+            return None  # the general path finds nothing either: panic mode
+        ep = res.endpoint
+        try:
+            target = self._targets[ep]
+        except KeyError:
+            if len(self._targets) >= 4096:  # endpoints come and go: never unbounded
+                self._targets.clear()
+            target = self._targets[ep] = native_target(ep)
+        if target is None:
+            res.release()  # a hostname: the general path resolves it
+            return None
+        tried.add(res.address)
+        started = time.monotonic()
+        fd, err = native_connect(target)
+        if err == 0:
+            res.dial_seconds = time.monotonic() - started
+            return socket.socket(target[0], socket.SOCK_STREAM, 0, fd), res
+        if fd < 0:  # refused at once, say: counted, and the general path tries the next
+            self.record(res.address, OSError(err, os.strerror(err)),
+                        duration=time.monotonic() - started)
+            res.release()
+            return None
+        sock = socket.socket(target[0], socket.SOCK_STREAM, 0, fd)
+        if self._hedge:
+            d = _Dial(res, started + self._timeout, self._timeout)
+            d.sock = sock
+            dials.append(d)
+            return None
+        done = None
+        try:
+            done = self._finish(res, sock, started)
+        finally:
+            if done is None:
+                res.release()
+        return None if done is None else (done, res)
+
+    def _finish(self, res: Reservation, sock: socket.socket, started: float
+                ) -> socket.socket | None:
+        """Wait for a connect in progress within the dial timeout (hedging off)."""
+        poller = select.poll()
+        poller.register(sock.fileno(), _POLLOUT)
+        left = started + self._timeout - time.monotonic()
+        if left > 0 and poller.poll(max(1, int(left * 1000))):
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            exc: OSError | None = OSError(err, os.strerror(err)) if err else None
+        else:
+            exc = TimeoutError(errno.ETIMEDOUT, "timed out")
+        if exc is not None:
+            sock.close()
+            self.record(res.address, exc, duration=time.monotonic() - started)
+            return None
+        self.record(res.address, None, carries=res, duration=time.monotonic() - started)
+        return sock
 
     def _connect_serial(self, tried: set[str]
                         ) -> tuple[socket.socket | None, Reservation | None]:
@@ -157,6 +235,10 @@ class Dialer:
                         ) -> tuple[socket.socket | None, Reservation | None]:
         hedge_at: float | None = None  # when the second dial may start
         poller = select.poll()
+        for d in dials:  # one left in progress by _fast: it may get a hedge
+            assert d.sock is not None
+            poller.register(d.sock.fileno(), _POLLOUT)
+            hedge_at = d.deadline - self._timeout + self._hedge
         while True:
             now = time.monotonic()
             if not dials or (hedge_at is not None and now >= hedge_at and len(dials) < 2):

@@ -99,6 +99,21 @@ def begin_connect(family: int, addr: tuple, native: bool = False  # type: ignore
         raise
 
 
+def native_target(endpoint: Endpoint) -> tuple[int, str, int] | None:
+    """(family, host, port) for the extension's connect, or None: a hostname, or no
+    extension. Cached per endpoint by the caller (Dialer._fast)."""
+    if _native_connect is None or endpoint.is_hostname:
+        return None
+    family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
+    return family, endpoint.host, endpoint.port
+
+
+def native_connect(target: tuple[int, str, int]) -> tuple[int, int]:
+    """The extension's connect with the connection options: (fd, errno), see _relay.c."""
+    assert _native_connect is not None
+    return _native_connect(target[0], target[1], target[2], _OPTS)  # type: ignore[no-any-return]
+
+
 def dial(endpoint: Endpoint, timeout: float, native: bool = False) -> socket.socket:
     """Connect to ``endpoint`` within ``timeout`` (name resolution included).
 

@@ -163,7 +163,18 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
         view = app.registry.snapshot().get(ups[0].address)
         return 0 if view is None else view.active_connections
 
+    real_native = proxy_mod.native_connect
+
+    def racing_native(target):  # type: ignore[no-untyped-def]
+        # The native relay's first dial of a numeric endpoint (Dialer._fast).
+        got = real_native(target)
+        if f"{target[1]}:{target[2]}" == ups[0].address and not fired.is_set():
+            fired.set()
+            app.registry.set_endpoints([ups[1].endpoint])  # drain starts mid-dial
+        return got
+
     proxy_mod.dial = racing_dial
+    proxy_mod.native_connect = racing_native
     try:
         for _ in range(50):
             with connect(app) as s:
@@ -179,6 +190,7 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
                     break
     finally:
         proxy_mod.dial = real_dial
+        proxy_mod.native_connect = real_native
     assert fired.is_set()
     wait_until(lambda: app.registry.snapshot().get(ups[0].address) is None, 5,
                message="the drained up0 removed")

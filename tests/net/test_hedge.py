@@ -70,7 +70,16 @@ def test_black_holed_upstream_costs_the_hedge_delay_and_reaches_its_streak(
             dials.append(f"{addr[0]}:{addr[1]}")
         return real_begin(family, addr, *rest)
 
+    real_native = dialer_mod.native_connect
+
+    def counting_native(target):  # type: ignore[no-untyped-def]
+        # The first dial of a numeric endpoint: one extension call (Dialer._fast).
+        with lock:
+            dials.append(f"{target[1]}:{target[2]}")
+        return real_native(target)
+
     monkeypatch.setattr(dialer_mod, "begin_connect", counting_begin)
+    monkeypatch.setattr(dialer_mod, "native_connect", counting_native)
     with black_hole() as hole:
         app = make_app([hole, *(u.endpoint for u in ups)], dial_hedge_delay=HEDGE,
                        health_timeout=DIAL_TIMEOUT, health_interval=30, prober=always_up)
