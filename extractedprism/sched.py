@@ -26,7 +26,15 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("batch", "normal")
 
-_warned = False
+_warned: set[str] = set()  # what was refused already: one warning each, per process
+
+
+def _refused(what: str, template: str, *args: object) -> bool:
+    """Log a refused thread setting once per kind; False, for the caller to return."""
+    if what not in _warned:
+        _warned.add(what)
+        log.warning(template, *args)
+    return False
 
 
 def policy_number(name: str) -> int | None:
@@ -42,7 +50,6 @@ def apply_to_current_thread(name: str) -> bool:
     A refused policy (a seccomp profile, a platform without it) changes performance
     only, so the thread carries on with the default policy.
     """
-    global _warned
     number = policy_number(name)
     if number is None or not hasattr(os, "sched_setscheduler"):
         return False
@@ -50,11 +57,8 @@ def apply_to_current_thread(name: str) -> bool:
         if os.sched_getscheduler(0) != number:
             os.sched_setscheduler(0, number, os.sched_param(0))
     except OSError as exc:
-        if not _warned:
-            _warned = True
-            log.warning("could not set thread scheduling policy policy=%s reason=%r; "
-                        "keeping the default", name, exc.strerror)
-        return False
+        return _refused("policy", "could not set thread scheduling policy policy=%s "
+                        "reason=%r; keeping the default", name, exc.strerror)
     return True
 
 
@@ -105,13 +109,9 @@ def gil_cpu_plan(value: str) -> tuple[int, set[int]] | None:
 
 def pin_current_thread(cpu: int) -> bool:
     """Keep the calling thread on ``cpu``; False (logged once) if refused."""
-    global _warned
     try:
         os.sched_setaffinity(0, {cpu})
     except OSError as exc:
-        if not _warned:
-            _warned = True
-            log.warning("could not pin thread to a CPU cpu=%d reason=%r; leaving it "
-                        "unpinned", cpu, exc.strerror)
-        return False
+        return _refused("affinity", "could not pin thread to a CPU cpu=%d reason=%r; "
+                        "leaving it unpinned", cpu, exc.strerror)
     return True

@@ -127,7 +127,7 @@ def test_refused_policy_is_logged_once_and_harmless(monkeypatch, caplog):
     def refuse(*_args: object) -> None:
         raise PermissionError(errno.EPERM, "Operation not permitted")
 
-    monkeypatch.setattr(sched, "_warned", False)
+    monkeypatch.setattr(sched, "_warned", set())
     monkeypatch.setattr(os, "sched_getscheduler", lambda _pid: os.SCHED_OTHER)
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
     assert sched.apply_to_current_thread("batch") is False

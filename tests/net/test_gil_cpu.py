@@ -112,3 +112,17 @@ def test_off_pins_nothing(make_app, servers) -> None:
 def test_the_extension_says_when_it_lets_out() -> None:
     relay = pytest.importorskip("extractedprism._relay")
     assert relay.UNPIN_AFTER_WAKEUPS == UNPIN_AFTER
+
+
+def test_a_refused_pin_is_logged_once_and_harmless(monkeypatch, caplog) -> None:
+    def refuse(*_args: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    # A refused scheduling policy earlier must not hide this one's warning.
+    monkeypatch.setattr(sched, "_warned", {"policy"})
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    assert sched.pin_current_thread(0) is False
+    assert sched.pin_current_thread(0) is False
+    warnings = [r for r in caplog.records if "pin thread" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "not permitted" in warnings[0].getMessage()

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Paired A/B of extractedprism variants against HAProxy, for changes too small for
+scripts/bench to resolve on a shared machine (docs/performance.md, fifth session).
+
+Every variant runs at once beside one HAProxy and one nginx; each repetition runs wrk
+against every variant back to back, so a burst of load from elsewhere hits all of them
+alike, and the figure reported is the median over repetitions of each variant's ratio to
+HAProxy in the same repetition. Bounded: --reps x variants x connection counts runs of
+--seconds each; only 127.0.0.1; every child is killed by process group at the end.
+
+    .venv/bin/python scripts/bench_ab.py --variant new=. --variant old=/tmp/old \\
+        [--variant off=.:--gil-cpu=off] [--conns 1,64] [--reps 6] [--keepalive]
+
+A variant is NAME=PYTHONPATH[:EXTRA FLAGS]; PYTHONPATH holds an extractedprism package
+(a checkout, or a scratch copy with its built extension).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # the benchmark's nginx config and wrk parser
+
+HOST = "127.0.0.1"
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def voluntary_switches(pid: int) -> int:
+    total = 0
+    for status in glob.glob(f"/proc/{pid}/task/*/status"):
+        with contextlib.suppress(OSError, AttributeError):
+            text = Path(status).read_text()
+            total += int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", text, re.M).group(1))
+    return total
+
+
+def start(argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None
+          ) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True,
+                            stdout=subprocess.DEVNULL)
+
+
+def wait_port(port: int, deadline: float) -> None:
+    import socket
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((HOST, port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"nothing listens on {HOST}:{port}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", action="append", required=True, help="NAME=PYTHONPATH[:FLAGS]")
+    p.add_argument("--conns", default="1,64")
+    p.add_argument("--reps", type=int, default=6)
+    p.add_argument("--seconds", type=int, default=2)
+    p.add_argument("--keepalive", action="store_true", help="keep-alive, not Connection: close")
+    args = p.parse_args()
+    os.environ["PATH"] += ":/usr/sbin:/sbin"  # haproxy and nginx, as scripts/bench does
+    if not 1 <= args.reps <= 50 or not 1 <= args.seconds <= 30:
+        raise SystemExit("--reps must be 1-50 and --seconds 1-30")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-ab-"))
+    (tmp / "www").mkdir()
+    (tmp / "www" / "index.html").write_bytes(b"x" * bench.BODY_SIZE)
+    up = bench.free_port()
+    (tmp / "nginx.conf").write_text(bench.nginx_config(tmp, up))
+    procs = [start(["nginx", "-p", str(tmp), "-c", str(tmp / "nginx.conf"),
+                    "-e", str(tmp / "nginx-error.log")])]
+    variants: list[tuple[str, int, int]] = []  # name, pid, port
+    try:
+        port = bench.free_port()
+        (tmp / "haproxy.cfg").write_text(
+            f"global\n nbthread {os.cpu_count() or 1}\n maxconn 8000\ndefaults\n mode tcp\n"
+            " timeout connect 10s\n timeout client 10m\n timeout server 10m\n"
+            f"listen l\n bind {HOST}:{port}\n server s {HOST}:{up}\n")
+        procs.append(start(["haproxy", "-f", str(tmp / "haproxy.cfg")]))
+        variants.append(("haproxy", procs[-1].pid, port))
+        for spec in args.variant:
+            name, _, rest = spec.partition("=")
+            path, _, extra = rest.partition(":")
+            port, hport = bench.free_port(), bench.free_port()
+            env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()))
+            procs.append(start([sys.executable, "-m", "extractedprism", "--endpoints",
+                                f"{HOST}:{up}", "--bind-address", HOST, "--bind-port", str(port),
+                                "--health-port", str(hport), "--enable-discovery=false",
+                                "--health-interval", "30s", "--log-level", "warn",
+                                *shlex.split(extra)], env=env, cwd=str(tmp)))
+            variants.append((name, procs[-1].pid, port))
+        deadline = time.monotonic() + 20
+        for _, _, port in variants:
+            wait_port(port, deadline)
+        rows: dict[tuple[str, int], list[tuple[int, float, float, float, float]]] = {}
+        conns = [int(c) for c in args.conns.split(",")]
+        for rep in range(args.reps):
+            for c in conns:
+                for name, pid, port in variants:
+                    cpu0, cs0 = cpu_seconds(pid), voluntary_switches(pid)
+                    argv = ["wrk", "-t1", "-c", str(c), "-d", f"{args.seconds}s", "--latency"]
+                    if not args.keepalive:
+                        argv += ["-H", "Connection: close"]
+                    out = subprocess.run([*argv, f"http://{HOST}:{port}/"], capture_output=True,
+                                         text=True, timeout=args.seconds + 20).stdout
+                    w = bench.parse_wrk(out)
+                    n = max(1, w.get("requests", 1))
+                    rows.setdefault((name, c), []).append(
+                        (rep, w["rps"], w["p99_ms"], 1e6 * (cpu_seconds(pid) - cpu0) / n,
+                         (voluntary_switches(pid) - cs0) / n))
+        for c in conns:
+            ha = {r[0]: r[1] for r in rows[("haproxy", c)]}
+            for name, _, _ in variants:
+                got = rows[(name, c)]
+                ratios = [r[1] / ha[r[0]] for r in got]
+                print(f"c={c:<3d} {name:12s} {statistics.median(r[1] for r in got):8.0f}/s "
+                      f"ratio {statistics.median(ratios):4.2f} "
+                      f"({' '.join(f'{x:.2f}' for x in ratios)}) "
+                      f"p99 {statistics.median(r[2] for r in got):6.2f} ms "
+                      f"cpu {statistics.median(r[3] for r in got):6.1f} us "
+                      f"cs {statistics.median(r[4] for r in got):5.2f}", flush=True)
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
