@@ -137,9 +137,12 @@ def main() -> int:
                       f"cpu {statistics.median(r[3] for r in got):6.1f} us "
                       f"cs {statistics.median(r[4] for r in got):5.2f}", flush=True)
     finally:
-        for proc in procs:
+        for proc in reversed(procs):  # the proxies before their upstream
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
+            if proc is not procs[0]:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
         for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
