@@ -227,25 +227,33 @@ static int run(struct half h[2], int pin) {
     return err;
 }
 
+/* The two directions of one call, and the checks relay() and judged_relay() share: 0, or
+ * -1 with the ValueError set (counters released). */
+static int setup(struct half h[2], int cfd, int ufd, const int p[4], Py_buffer *counters,
+                 int pin, int *first_eof) {
+    if (counters->len < (Py_ssize_t)(2 * sizeof(uint64_t)) ||
+        (uintptr_t)counters->buf % _Alignof(uint64_t) || pin < 0 || pin > CPU_SETSIZE) {
+        PyBuffer_Release(counters);
+        PyErr_SetString(PyExc_ValueError, "counters must be 16 aligned bytes, pin a CPU + 1");
+        return -1;
+    }
+    uint64_t *count = counters->buf;
+    struct half up = {cfd, ufd, p[0], p[1], 0, 0, 0, &count[0], 1, first_eof, CHUNK, 0};
+    struct half down = {ufd, cfd, p[2], p[3], 0, 0, 0, &count[1], 2, first_eof, CHUNK, 0};
+    h[0] = up;
+    h[1] = down;
+    return 0;
+}
+
 static PyObject *relay(PyObject *self, PyObject *args) {
     (void)self;
-    int cfd, ufd, up_r, up_w, down_r, down_w, pin = 0;
+    int cfd, ufd, p[4], pin = 0, first_eof = 0;
     Py_buffer counters;
-    if (!PyArg_ParseTuple(args, "ii(iiii)w*|i:relay", &cfd, &ufd, &up_r, &up_w, &down_r,
-                          &down_w, &counters, &pin))
+    struct half h[2];
+    if (!PyArg_ParseTuple(args, "ii(iiii)w*|i:relay", &cfd, &ufd, &p[0], &p[1], &p[2], &p[3],
+                          &counters, &pin) ||
+        setup(h, cfd, ufd, p, &counters, pin, &first_eof) < 0)
         return NULL;
-    if (counters.len < (Py_ssize_t)(2 * sizeof(uint64_t)) ||
-        (uintptr_t)counters.buf % _Alignof(uint64_t) || pin < 0 || pin > CPU_SETSIZE) {
-        PyBuffer_Release(&counters);
-        PyErr_SetString(PyExc_ValueError, "counters must be 16 aligned bytes, pin a CPU + 1");
-        return NULL;
-    }
-    uint64_t *count = counters.buf;
-    int first_eof = 0;
-    struct half h[2] = {
-        {cfd, ufd, up_r, up_w, 0, 0, 0, &count[0], 1, &first_eof, CHUNK, 0},
-        {ufd, cfd, down_r, down_w, 0, 0, 0, &count[1], 2, &first_eof, CHUNK, 0},
-    };
     int err;
     Py_BEGIN_ALLOW_THREADS
     err = (set_nonblocking(cfd) < 0 || set_nonblocking(ufd) < 0) ? errno : run(h, pin);
@@ -369,28 +377,39 @@ static int first_answer_nogil(int cfd, int ufd, int timeout_ms, char *buf, Py_ss
     return wait_fd(ufd, POLLIN, deadline) > 0;
 }
 
+/* ``first`` is None or bytes of at most FIRST_MAX, ``sent`` of them already sent: 0, or -1
+ * with the ValueError set. */
+static int check_first(PyObject *first, Py_ssize_t sent) {
+    if (first == Py_None ||
+        (PyBytes_Check(first) && PyBytes_GET_SIZE(first) <= FIRST_MAX && sent >= 0 &&
+         sent <= PyBytes_GET_SIZE(first)))
+        return 0;
+    PyErr_SetString(PyExc_ValueError, "first must be None or at most 16 KiB of bytes");
+    return -1;
+}
+
 static PyObject *first_answer(PyObject *self, PyObject *args) {
     (void)self;
     int cfd, ufd, timeout_ms;
     Py_ssize_t sent = 0;
     PyObject *first;
-    if (!PyArg_ParseTuple(args, "iiiO|n:first_answer", &cfd, &ufd, &timeout_ms, &first, &sent))
+    if (!PyArg_ParseTuple(args, "iiiO|n:first_answer", &cfd, &ufd, &timeout_ms, &first,
+                          &sent) ||
+        check_first(first, sent) < 0)
         return NULL;
     int have = first != Py_None;
-    if (have && (!PyBytes_Check(first) || PyBytes_GET_SIZE(first) > FIRST_MAX ||
-                 sent < 0 || sent > PyBytes_GET_SIZE(first))) {
-        PyErr_SetString(PyExc_ValueError, "first must be None or at most 16 KiB of bytes");
-        return NULL;
-    }
-    char stack[FIRST_MAX];
+    char *buf = PyMem_RawMalloc(FIRST_MAX); /* see take_first: not on the thread's stack */
+    if (buf == NULL) return PyErr_NoMemory();
     Py_ssize_t n = have ? PyBytes_GET_SIZE(first) : 0;
-    if (have) memcpy(stack, PyBytes_AS_STRING(first), (size_t)n);
+    if (have) memcpy(buf, PyBytes_AS_STRING(first), (size_t)n);
     int answered;
     Py_BEGIN_ALLOW_THREADS
-    answered = first_answer_nogil(cfd, ufd, timeout_ms, stack, &n, have, have ? sent : 0);
+    answered = first_answer_nogil(cfd, ufd, timeout_ms, buf, &n, have, have ? sent : 0);
     Py_END_ALLOW_THREADS
-    if (have) return Py_BuildValue("(iO)", answered, first);
-    return Py_BuildValue("(iy#)", answered, stack, n);
+    PyObject *out = have ? Py_BuildValue("(iO)", answered, first)
+                         : Py_BuildValue("(iy#)", answered, buf, n);
+    PyMem_RawFree(buf);
+    return out;
 }
 
 /* take_first(client_fd, upstream_fd) -> (first, sent): the client's first bytes, if they
@@ -420,23 +439,20 @@ static PyObject *take_first(PyObject *self, PyObject *args) {
 
 static PyObject *judged_relay(PyObject *self, PyObject *args) {
     (void)self;
-    int cfd, ufd, up_r, up_w, down_r, down_w, timeout_ms, pin = 0;
+    int cfd, ufd, p[4], timeout_ms, pin = 0, first_eof = 0;
     Py_ssize_t sent = 0;
     Py_buffer counters;
     PyObject *first;
-    if (!PyArg_ParseTuple(args, "ii(iiii)w*iO|in:judged_relay", &cfd, &ufd, &up_r, &up_w,
-                          &down_r, &down_w, &counters, &timeout_ms, &first, &pin, &sent))
+    struct half h[2];
+    if (!PyArg_ParseTuple(args, "ii(iiii)w*iO|in:judged_relay", &cfd, &ufd, &p[0], &p[1],
+                          &p[2], &p[3], &counters, &timeout_ms, &first, &pin, &sent) ||
+        setup(h, cfd, ufd, p, &counters, pin, &first_eof) < 0)
         return NULL;
-    int have = first != Py_None;
-    if (counters.len < (Py_ssize_t)(2 * sizeof(uint64_t)) ||
-        (uintptr_t)counters.buf % _Alignof(uint64_t) || pin < 0 || pin > CPU_SETSIZE ||
-        (have && (!PyBytes_Check(first) || PyBytes_GET_SIZE(first) > FIRST_MAX ||
-                  sent < 0 || sent > PyBytes_GET_SIZE(first)))) {
+    if (check_first(first, sent) < 0) {
         PyBuffer_Release(&counters);
-        PyErr_SetString(PyExc_ValueError, "counters must be 16 aligned bytes, first None or "
-                        "at most 16 KiB of bytes");
         return NULL;
     }
+    int have = first != Py_None;
     uint64_t *count = counters.buf;
     char *buf = PyMem_RawMalloc(FIRST_MAX); /* off the small pipe-thread stack */
     if (buf == NULL) {
@@ -445,11 +461,7 @@ static PyObject *judged_relay(PyObject *self, PyObject *args) {
     }
     Py_ssize_t n = have ? PyBytes_GET_SIZE(first) : 0;
     if (have) memcpy(buf, PyBytes_AS_STRING(first), (size_t)n);
-    int first_eof = 0, err = 0, silent = 0;
-    struct half h[2] = {
-        {cfd, ufd, up_r, up_w, 0, 0, 0, &count[0], 1, &first_eof, CHUNK, 0},
-        {ufd, cfd, down_r, down_w, 0, 0, 0, &count[1], 2, &first_eof, CHUNK, 0},
-    };
+    int err = 0, silent = 0;
     Py_BEGIN_ALLOW_THREADS
     if (set_nonblocking(cfd) < 0 || set_nonblocking(ufd) < 0) {
         err = errno;
@@ -479,7 +491,7 @@ static PyObject *judged_relay(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"relay", relay, METH_VARARGS,
-     "relay(client_fd, upstream_fd, (up_r, up_w, down_r, down_w), counters) -> "
+     "relay(client_fd, upstream_fd, (up_r, up_w, down_r, down_w), counters[, pin]) -> "
      "(errno, left_up, left_down, first_eof)\n\nCopy both directions until both end (GIL released)."},
     {"connect", connect_start, METH_VARARGS,
      "connect(family, host, port, options) -> (fd, errno): non-blocking connect started."},
@@ -488,7 +500,8 @@ static PyMethodDef methods[] = {
     {"take_first", take_first, METH_VARARGS,
      "take_first(client_fd, upstream_fd) -> (first, sent): first bytes read and sent on."},
     {"judged_relay", judged_relay, METH_VARARGS,
-     "judged_relay(client_fd, upstream_fd, pipes, counters, timeout_ms, first) -> "
+     "judged_relay(client_fd, upstream_fd, pipes, counters, timeout_ms, first[, pin[, sent]]) "
+     "-> "
      "(silent, first, errno, left_up, left_down, first_eof)\n\nfirst_answer, then relay "
      "when answered, in one call (GIL released)."},
     {"close_pair", close_pair, METH_VARARGS,

@@ -31,7 +31,6 @@ import threading
 import time
 
 from extractedprism import connlog
-from extractedprism.endpoints import Endpoint
 from extractedprism.registry import Registry
 from extractedprism.reservation import Reservation
 from extractedprism.sockopts import (
@@ -41,6 +40,7 @@ from extractedprism.sockopts import (
     dial,
     native_connect,
     native_target,
+    wait_connected,
 )
 
 log = logging.getLogger(__name__)
@@ -85,8 +85,6 @@ class Dialer:
         self._hedge = hedge_delay if 0 < hedge_delay < dial_timeout else 0.0
         self._stopping = stopping
         self._reaper = _Reaper(self)
-        # endpoint -> the extension's connect arguments (None: a hostname), for _fast.
-        self._targets: dict[Endpoint, tuple[int, str, int] | None] = {}
 
     def shutdown(self) -> None:
         self._reaper.stop()
@@ -151,13 +149,7 @@ class Dialer:
         res = self._registry.reserve(exclude=tried)
         if res is None:
             return None  # the general path finds nothing either: panic mode
-        ep = res.endpoint
-        try:
-            target = self._targets[ep]
-        except KeyError:
-            if len(self._targets) >= 4096:  # endpoints come and go: never unbounded
-                self._targets.clear()
-            target = self._targets[ep] = native_target(ep)
+        target = native_target(res.endpoint)
         if target is None:
             res.release()  # a hostname: the general path resolves it
             return None
@@ -178,31 +170,19 @@ class Dialer:
             d.sock = sock
             dials.append(d)
             return None
-        done = None
-        try:
-            done = self._finish(res, sock, started)
-        finally:
-            if done is None:
-                res.release()
-        return None if done is None else (done, res)
-
-    def _finish(self, res: Reservation, sock: socket.socket, started: float
-                ) -> socket.socket | None:
-        """Wait for a connect in progress within the dial timeout (hedging off)."""
-        poller = select.poll()
-        poller.register(sock.fileno(), _POLLOUT)
-        left = started + self._timeout - time.monotonic()
-        if left > 0 and poller.poll(max(1, int(left * 1000))):
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            exc: OSError | None = OSError(err, os.strerror(err)) if err else None
-        else:
-            exc = TimeoutError(errno.ETIMEDOUT, "timed out")
-        if exc is not None:
+        try:  # hedging off: wait for it here, within the dial timeout
+            wait_connected(sock, started + self._timeout - time.monotonic())
+        except OSError as exc:
             sock.close()
             self.record(res.address, exc, duration=time.monotonic() - started)
+            res.release()
             return None
+        except BaseException:
+            sock.close()
+            res.release()
+            raise
         self.record(res.address, None, carries=res, duration=time.monotonic() - started)
-        return sock
+        return sock, res
 
     def _connect_serial(self, tried: set[str]
                         ) -> tuple[socket.socket | None, Reservation | None]:

@@ -38,6 +38,8 @@ import time
 from array import array
 from collections.abc import Callable
 
+from extractedprism.firstbytes import first_answer
+
 log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
@@ -258,7 +260,6 @@ class Pipe:
         ``sent``: how many of ``first`` this upstream has already (take_first)."""
         pipes = _thread_pipes() if self._mode == "splice" else None
         if pipes is None:  # no spare descriptor for a kernel pipe: the two-step path
-            from extractedprism.firstbytes import first_answer
             answered, first = first_answer(self.client_sock, self.upstream_sock, first,
                                            dial_timeout=timeout_ms / 1000,
                                            native_first=_relay.first_answer, sent=sent)

@@ -360,25 +360,21 @@ class Proxy(PipePool):
                     # The common case: attached now, judged by the relay's own first
                     # call (Pipe.run_judged), one GIL round trip fewer per connection.
                     attached = reg.attach_unjudged(res, pipe)
-                if attached is not None:
-                    pass
-                elif res.panic:
-                    if first:  # a silent upstream had them; nothing else left to judge by
-                        self._first_answer(client_sock, upstream, first)
-                else:
-                    answered, first = self._first_answer(client_sock, upstream, first, sent)
-                    if not answered and reg.any_pickable(exclude=tried):
-                        # Connected, but silent: a frozen process whose kernel still
-                        # completes handshakes. Nothing went back to the client yet, so
-                        # its first bytes can go to the next upstream instead.
-                        upstream.close()
-                        self._silent(addr)
-                        continue
+                # Attached unjudged: the relay call judges. Else judged here, first.
+                judge_ms = 0 if attached is None else max(1, int(self._dial_timeout * 1000))
                 if attached is None:
+                    if res.panic:
+                        if first:  # a silent upstream had them; nothing else to judge by
+                            self._first_answer(client_sock, upstream, first)
+                    else:
+                        answered, first = self._first_answer(client_sock, upstream, first,
+                                                             sent)
+                        if not answered and reg.any_pickable(exclude=tried):
+                            # Connected, but silent (see the relay call's case below).
+                            upstream.close()
+                            self._silent(addr)
+                            continue
                     attached = reg.attach(res, pipe)
-                    judge_ms = 0
-                else:
-                    judge_ms = max(1, int(self._dial_timeout * 1000))
             if not attached:
                 upstream.close()
                 if drain_retry and not reg.closing:

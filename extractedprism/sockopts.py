@@ -62,12 +62,15 @@ def apply_sockopts(sock: socket.socket, opts: list[SockOpt] = CONNECTION_SOCKOPT
             pass
 
 
+def _ip_family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def addresses(endpoint: Endpoint) -> list[tuple[int, tuple]]:  # type: ignore[type-arg]
     """(family, sockaddr) to try for ``endpoint``, in the resolver's order."""
     if not endpoint.is_hostname:
         # An IP literal needs no resolver round trip on every new connection.
-        family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
-        return [(family, (endpoint.host, endpoint.port))]
+        return [(_ip_family(endpoint.host), (endpoint.host, endpoint.port))]
     infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
     return [(family, addr) for family, _, _, _, addr in infos]
 
@@ -101,17 +104,27 @@ def begin_connect(family: int, addr: tuple, native: bool = False  # type: ignore
 
 def native_target(endpoint: Endpoint) -> tuple[int, str, int] | None:
     """(family, host, port) for the extension's connect, or None: a hostname, or no
-    extension. Cached per endpoint by the caller (Dialer._fast)."""
+    extension."""
     if _native_connect is None or endpoint.is_hostname:
         return None
-    family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
-    return family, endpoint.host, endpoint.port
+    return _ip_family(endpoint.host), endpoint.host, endpoint.port
 
 
 def native_connect(target: tuple[int, str, int]) -> tuple[int, int]:
     """The extension's connect with the connection options: (fd, errno), see _relay.c."""
     assert _native_connect is not None
     return _native_connect(target[0], target[1], target[2], _OPTS)  # type: ignore[no-any-return]
+
+
+def wait_connected(sock: socket.socket, timeout: float) -> None:
+    """Wait for a non-blocking connect in progress; raises its failure or TimeoutError."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    if timeout <= 0 or not poller.poll(math.ceil(timeout * 1000)):
+        raise TimeoutError(errno.ETIMEDOUT, "timed out")
+    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        raise OSError(err, os.strerror(err))
 
 
 def dial(endpoint: Endpoint, timeout: float, native: bool = False) -> socket.socket:
@@ -134,12 +147,8 @@ def dial(endpoint: Endpoint, timeout: float, native: bool = False) -> socket.soc
             continue
         try:
             if err in (errno.EINPROGRESS, errno.EAGAIN):
-                poller = select.poll()
-                poller.register(sock.fileno(), select.POLLOUT)
-                if not poller.poll(math.ceil(remaining * 1000)):
-                    raise TimeoutError("timed out")
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
+                wait_connected(sock, remaining)
+            elif err:
                 raise OSError(err, os.strerror(err))
             return sock
         except OSError as exc:
