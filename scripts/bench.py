@@ -429,6 +429,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_us_per_request(r: dict | None) -> float | None:
+    """The proxy's CPU per request of one wrk run (None without a result or requests)."""
+    if not r or not r.get("requests"):
+        return None
+    return r["proxy_cpu_s"] / r["requests"] * 1e6
+
+
+def cores_note(r: dict, proc: object) -> str:
+    """'  proxy cpu N cores' for a proxy's wrk line ('' for the direct path)."""
+    if proc is None or not r.get("seconds"):
+        return ""
+    return f"  proxy cpu {r['proxy_cpu_s'] / r['seconds']:.2f} cores"
+
+
 def proc_status(pid: int) -> dict:
     with open(f"/proc/{pid}/status") as fh:
         text = fh.read()
@@ -751,14 +765,11 @@ class Bench:
                         self.record(f"{key}_p50_ms", path, r and r["p50_ms"])
                         self.record(f"{key}_p99_ms", path, r and r["p99_ms"])
                         if proc is not None:
-                            self.record(f"{key}_cpu_us_per_req", path,
-                                        r and r.get("requests") and
-                                        r["proxy_cpu_s"] / r["requests"] * 1e6)
+                            self.record(f"{key}_cpu_us_per_req", path, cpu_us_per_request(r))
                         if r:
                             print(f"  rep {rep} c={conns:<3d} {path:15s} {r['rps']:9.0f} req/s"
                                   f"  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms"
-                                  + (f"  proxy cpu {r['proxy_cpu_s'] / r['seconds']:.2f} cores"
-                                     if proc and r.get("seconds") else ""), flush=True)
+                                  + cores_note(r, proc), flush=True)
         finally:
             self.stop_proxies(proxies)
 
@@ -776,14 +787,10 @@ class Bench:
                         if key == "newconn":
                             self.record("newconn_p99_ms", path, r and r["p99_ms"])
                         if proc is not None:
-                            self.record(f"{key}_cpu_us_per_conn", path,
-                                        r and r.get("requests") and
-                                        r["proxy_cpu_s"] / r["requests"] * 1e6)
+                            self.record(f"{key}_cpu_us_per_conn", path, cpu_us_per_request(r))
                         if r:
                             print(f"  rep {rep} c={conns:<3d} {path:15s} {r['rps']:9.0f} conn/s"
-                                  f"  p99 {r['p99_ms']:.3f} ms"
-                                  + (f"  proxy cpu {r['proxy_cpu_s'] / r['seconds']:.2f} cores"
-                                     if proc and r.get("seconds") else ""), flush=True)
+                                  f"  p99 {r['p99_ms']:.3f} ms" + cores_note(r, proc), flush=True)
                         # Let TIME_WAIT and the proxy's connection table settle between runs.
                         time.sleep(0.3)
         finally:

@@ -32,14 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # the benchmark's nginx config and wrk parser
-
-HOST = "127.0.0.1"
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+import bench  # the benchmark's nginx config, wrk parser and /proc readers
+from bench import HOST, cpu_seconds
 
 
 def voluntary_switches(pid: int) -> int:
