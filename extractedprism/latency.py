@@ -115,6 +115,12 @@ class LatencyTiers:
     def tiers(self) -> dict[str, int]:
         return dict(self._tier)
 
+    @property
+    def tier_map(self) -> dict[str, int]:
+        """The tiers, read-only: a new dict after every change that may move one (a
+        cache of picks keys on it)."""
+        return self._tier
+
     # --- the rebuild (see the module docstring, rules 1-4) ------------------
 
     def _rebuild(self) -> None:

@@ -24,6 +24,7 @@ released, so a stalled log handler or a slow close never stalls a pick.
 from __future__ import annotations
 
 import logging
+import operator
 import random
 import threading
 import time
@@ -37,7 +38,7 @@ from extractedprism.endpoints import Endpoint
 from extractedprism.latency import LatencyTiers
 from extractedprism.records import Record, Tracked, last_success, readiness_moves, started
 from extractedprism.reservation import Reservation
-from extractedprism.selection import Candidate, choose
+from extractedprism.selection import Candidate, choose, eligible, pick
 from extractedprism.snapshot import ConnView, Snapshot
 from extractedprism.upstream import ProbeResult, Readiness
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from extractedprism.merge import Roles
 
 log = logging.getLogger(__name__)
+_STATE = operator.attrgetter("state")
 
 __all__ = ["Change", "ProbeResult", "Readiness", "Registry", "Tracked"]
 
@@ -81,6 +83,10 @@ class Registry(AdminActions):
         self._connections_total = 0
         self._turned_away = 0
         self._closing = False
+        # The eligible upstreams for a pick, and what they were computed from (see
+        # _choose_locked); None: not computed yet.
+        self._pool: list[str] = []
+        self._pool_key: tuple[object, ...] | None = None
 
     def _run(self, fx: Effects) -> None:
         fx.run(log, self._on_change)
@@ -185,21 +191,35 @@ class Registry(AdminActions):
             rec.dialing += 1
             return Reservation(self.lock, rec, addr, panic=True)
 
-    def _choose_locked(self, exclude: Iterable[str]) -> str | None:
+    def _candidates_locked(self) -> list[Candidate]:
         tier = self._latency.tier if self._latency_mode else None
-        return choose(
-            [Candidate(address=a, healthy=r.state.healthy, draining=r.state.draining,
-                       fallback=r.state.fallback,
-                       ready=r.state.readiness is Readiness.READY,
-                       tier=tier(a) if tier is not None else None,
-                       active=len(r.conns) + r.dialing,
-                       admin_drained=r.state.admin_drained)
-             for a, r in self._ups.items()],
-            mode=self._selection,
-            readyz=self._readyz,
-            rng=self._rng,
-            exclude=frozenset(exclude) if exclude else (),
-        )
+        return [Candidate(address=a, healthy=r.state.healthy, draining=r.state.draining,
+                          fallback=r.state.fallback,
+                          ready=r.state.readiness is Readiness.READY,
+                          tier=tier(a) if tier is not None else None,
+                          active=len(r.conns) + r.dialing,
+                          admin_drained=r.state.admin_drained)
+                for a, r in self._ups.items()]
+
+    def _choose_locked(self, exclude: Iterable[str]) -> str | None:
+        if exclude:  # a retry: rare, and the readyz rule applies after the exclusion
+            return choose(self._candidates_locked(), mode=self._selection,
+                          readyz=self._readyz, rng=self._rng, exclude=frozenset(exclude))
+        # Every new connection's pick: the eligible list is kept while the records, their
+        # (frozen, so replaced on change) states and the latency tiers stay the same; the
+        # key costs two C-level tuple builds where the list cost a Candidate per upstream.
+        ups = self._ups
+        key = (tuple(ups), tuple(map(_STATE, ups.values())),
+               self._latency.tier_map if self._latency_mode else None)
+        if key != self._pool_key:
+            self._pool = [c.address for c in eligible(
+                self._candidates_locked(), mode=self._selection, readyz=self._readyz)]
+        self._pool_key = key  # also when equal: the next comparison is by identity again
+        pool = self._pool
+        if self._selection == "least-conn" and len(pool) > 1:
+            return pick(pool, rng=self._rng,
+                        active=[len(ups[a].conns) + ups[a].dialing for a in pool])
+        return pick(pool, rng=self._rng)
 
     def any_pickable(self, exclude: Iterable[str] = ()) -> bool:
         skip = frozenset(exclude)
@@ -293,6 +313,8 @@ class Registry(AdminActions):
             return None
         if ok:
             rec.last_success = self._clock()
+            if not sm.dial_success_changes(rec.state):
+                return None  # the common case: nothing to change, nobody to wake
         state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)
         if state is rec.state:
             return None  # the common case: nothing to change, nobody to wake
@@ -366,8 +388,8 @@ class Registry(AdminActions):
         nothing was done, and the caller judges first and then calls attach()."""
         with self.lock:
             rec = self._ups.get(res.address)
-            if rec is not None and not rec.state.draining and sm.on_dial(
-                    rec.state, True, "", readyz=self._readyz)[0] is not rec.state:
+            if rec is not None and not rec.state.draining and sm.dial_success_changes(
+                    rec.state):
                 return None
             ok, fx = self._attach_locked(res, conn)
         assert fx is None  # a success that changes nothing has no effects

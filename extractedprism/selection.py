@@ -13,8 +13,9 @@ any is ready, else every pickable one) -> mode:
   connections evenly but not the connections that stay, least-conn evens out the load
   that is actually there.
 
-The registry calls :func:`choose` under its lock on every new connection, so it does no
-I/O, keeps allocations to a couple of small lists and takes the rng as an argument.
+The registry keeps :func:`eligible`'s list from one state change to the next and calls
+:func:`pick` under its lock for every new connection (:func:`choose` is the two in one);
+neither does I/O, and both take what they need as arguments.
 """
 
 from __future__ import annotations
@@ -42,30 +43,44 @@ class Candidate:
     admin_drained: bool = False  # an operator's drain or close: no new connections
 
 
-def choose(candidates: Sequence[Candidate], *, mode: str, readyz: bool, rng: random.Random,
-           exclude: Collection[str] = ()) -> str | None:
-    """The address for a new connection, or None when nothing is pickable."""
+def eligible(candidates: Sequence[Candidate], *, mode: str, readyz: bool,
+             exclude: Collection[str] = ()) -> list[Candidate]:
+    """Every rule of the pick but least-conn's, which depends on live counts: what a
+    pick may return, in the candidates' order. The registry keeps this list between
+    state changes instead of building it for every connection."""
     if mode not in MODES:
         raise ValueError(f"unknown selection mode {mode!r}")
     pool = [c for c in candidates
             if pickable(c) and (not exclude or c.address not in exclude)]
-    if not pool:
-        return None
-    if readyz:
+    if readyz and pool:
         ready = [c for c in pool if c.ready]
         if ready:
             pool = ready
-    if len(pool) > 1 and mode != "random":
-        if mode == "latency":
-            best = None
-            for c in pool:
-                if c.tier is not None and (best is None or c.tier < best):
-                    best = c.tier
-            if best is not None:
-                pool = [c for c in pool if c.tier is None or c.tier == best]
-        else:  # least-conn
-            fewest = min(c.active for c in pool)
-            pool = [c for c in pool if c.active == fewest]
-    if len(pool) == 1:
-        return pool[0].address
-    return pool[rng.randrange(len(pool))].address
+    if mode == "latency" and len(pool) > 1:
+        best = None
+        for c in pool:
+            if c.tier is not None and (best is None or c.tier < best):
+                best = c.tier
+        if best is not None:
+            pool = [c for c in pool if c.tier is None or c.tier == best]
+    return pool
+
+
+def pick(addresses: Sequence[str], *, rng: random.Random,
+         active: Sequence[int] | None = None) -> str | None:
+    """One of ``addresses`` (eligible, in order), uniformly; with ``active`` (least-conn:
+    each one's live connections), one of those with the fewest."""
+    if active is not None and len(addresses) > 1:
+        fewest = min(active)
+        addresses = [a for a, n in zip(addresses, active, strict=True) if n == fewest]
+    if len(addresses) <= 1:
+        return addresses[0] if addresses else None
+    return addresses[rng.randrange(len(addresses))]
+
+
+def choose(candidates: Sequence[Candidate], *, mode: str, readyz: bool, rng: random.Random,
+           exclude: Collection[str] = ()) -> str | None:
+    """The address for a new connection, or None when nothing is pickable."""
+    pool = eligible(candidates, mode=mode, readyz=readyz, exclude=exclude)
+    return pick([c.address for c in pool], rng=rng,
+                active=[c.active for c in pool] if mode == "least-conn" else None)

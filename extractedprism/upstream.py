@@ -226,10 +226,16 @@ def on_probe(s: UpstreamState, result: ProbeResult, *, readyz: bool
     return s, out
 
 
+def dial_success_changes(s: UpstreamState) -> bool:
+    """Whether a successful dial changes anything: a failure streak to clear, or (after a
+    TCP failure) a readiness to reset. Mostly not: every new connection asks."""
+    return s.fail_streak != 0 or s.tcp_failed_since_probe
+
+
 def on_dial(s: UpstreamState, ok: bool, reason: str, *, readyz: bool
             ) -> tuple[UpstreamState, list[Transition], bool]:
     """A client dial's outcome; the bool says "probe it now" (readiness reset)."""
-    if ok and s.fail_streak == 0 and not s.tcp_failed_since_probe:
+    if ok and not dial_success_changes(s):
         return s, [], False  # the common case: nothing changes
     was_failed = s.tcp_failed_since_probe
     s, out = on_tcp(s, ok, reason, "dial", readyz=readyz)

@@ -11,7 +11,8 @@ HAProxy in the same repetition. Bounded: --reps x variants x connection counts r
     .venv/bin/python scripts/bench_ab.py --variant new=. --variant old=/tmp/old \\
         [--variant off=.:--gil-cpu=off] [--conns 1,64] [--reps 6] [--keepalive]
 
-A variant is NAME=PYTHONPATH[:EXTRA FLAGS]; PYTHONPATH holds an extractedprism package
+A variant is NAME=PYTHONPATH[:EXTRA FLAGS] (an EP_NAME=VALUE among them is set in its
+environment instead); PYTHONPATH holds an extractedprism package
 (a checkout, or a scratch copy with its built extension).
 """
 
@@ -43,6 +44,16 @@ def voluntary_switches(pid: int) -> int:
             text = Path(status).read_text()
             total += int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", text, re.M).group(1))
     return total
+
+
+def cpu_idle() -> list[tuple[int, int]]:
+    """(idle, total) jiffies per CPU, from /proc/stat."""
+    out = []
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("cpu") and line[3:4].isdigit():
+            f = [int(x) for x in line.split()[1:]]
+            out.append((f[3] + f[4], sum(f[:8])))
+    return out
 
 
 def start(argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None
@@ -94,21 +105,25 @@ def main() -> int:
             path, _, extra = rest.partition(":")
             port, hport = bench.free_port(), bench.free_port()
             env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()))
+            flags = shlex.split(extra)
+            env.update(f.split("=", 1) for f in flags if f.startswith("EP_") and "=" in f)
+            flags = [f for f in flags if not (f.startswith("EP_") and "=" in f)]
             procs.append(start([sys.executable, "-m", "extractedprism", "--endpoints",
                                 f"{HOST}:{up}", "--bind-address", HOST, "--bind-port", str(port),
                                 "--health-port", str(hport), "--enable-discovery=false",
                                 "--health-interval", "30s", "--log-level", "warn",
-                                *shlex.split(extra)], env=env, cwd=str(tmp)))
+                                *flags], env=env, cwd=str(tmp)))
             variants.append((name, procs[-1].pid, port))
         deadline = time.monotonic() + 20
         for _, _, port in variants:
             wait_port(port, deadline)
-        rows: dict[tuple[str, int], list[tuple[int, float, float, float, float]]] = {}
+        rows: dict[tuple[str, int], list[tuple[int, float, float, float, float, list[float]]]] = {}
         conns = [int(c) for c in args.conns.split(",")]
         for rep in range(args.reps):
             for c in conns:
                 for name, pid, port in variants:
                     cpu0, cs0 = cpu_seconds(pid), voluntary_switches(pid)
+                    idle0 = cpu_idle()
                     argv = ["wrk", "-t1", "-c", str(c), "-d", f"{args.seconds}s", "--latency"]
                     if not args.keepalive:
                         argv += ["-H", "Connection: close"]
@@ -116,9 +131,11 @@ def main() -> int:
                                          text=True, timeout=args.seconds + 20).stdout
                     w = bench.parse_wrk(out)
                     n = max(1, w.get("requests", 1))
+                    idle = [(i1 - i0) / max(1, t1 - t0)
+                            for (i0, t0), (i1, t1) in zip(idle0, cpu_idle(), strict=True)]
                     rows.setdefault((name, c), []).append(
                         (rep, w["rps"], w["p99_ms"], 1e6 * (cpu_seconds(pid) - cpu0) / n,
-                         (voluntary_switches(pid) - cs0) / n))
+                         (voluntary_switches(pid) - cs0) / n, idle))
         for c in conns:
             ha = {r[0]: r[1] for r in rows[("haproxy", c)]}
             for name, _, _ in variants:
@@ -129,7 +146,9 @@ def main() -> int:
                       f"({' '.join(f'{x:.2f}' for x in ratios)}) "
                       f"p99 {statistics.median(r[2] for r in got):6.2f} ms "
                       f"cpu {statistics.median(r[3] for r in got):6.1f} us "
-                      f"cs {statistics.median(r[4] for r in got):5.2f}", flush=True)
+                      f"cs {statistics.median(r[4] for r in got):5.2f} idle "
+                      + "/".join(f"{100 * statistics.median(r[5][i] for r in got):.0f}%"
+                                 for i in range(len(got[0][5]))), flush=True)
     finally:
         for proc in reversed(procs):  # the proxies before their upstream
             with contextlib.suppress(ProcessLookupError):

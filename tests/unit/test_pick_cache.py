@@ -1,0 +1,76 @@
+"""The registry keeps the eligible upstreams between state changes (Registry._choose_locked):
+after any sequence of changes, every pick is one the selection rules allow for the state
+the snapshot shows, and every allowed upstream is picked."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from extractedprism.endpoints import Endpoint
+from extractedprism.probes import ProbeResult
+from extractedprism.registry import Registry
+from extractedprism.selection import Candidate, eligible
+from tests.unit.test_registry import Clock, Conn
+
+EPS = [Endpoint(f"10.0.0.{i}", 6443) for i in range(1, 5)]
+
+
+def allowed(reg: Registry, mode: str, readyz: bool) -> set[str]:
+    """What the rules allow, from the public snapshot alone (no cache involved)."""
+    views = reg.snapshot().upstreams
+    pool = eligible([Candidate(address=v.address, healthy=v.healthy, draining=v.draining,
+                               ready=v.ready, tier=v.tier, active=v.active_connections,
+                               fallback=v.fallback, admin_drained=v.admin_drained)
+                     for v in views], mode=mode, readyz=readyz)
+    if mode == "least-conn" and pool:
+        fewest = min(c.active for c in pool)
+        pool = [c for c in pool if c.active == fewest]
+    return {c.address for c in pool}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("readyz", [False, True])
+@pytest.mark.parametrize("mode", ["random", "latency", "least-conn"])
+def test_picks_follow_every_state_change(mode: str, readyz: bool) -> None:
+    rnd = random.Random(f"{mode}-{readyz}")
+    reg = Registry(selection=mode, readyz=readyz, clock=Clock(), rng=random.Random(7))
+    reg.set_endpoints(EPS)
+    live: list[tuple[str, Conn]] = []
+    for step in range(400):
+        addr = str(rnd.choice(EPS))
+        op = rnd.randrange(9)
+        if op == 0:
+            reg.record_probe(addr, ProbeResult(False, None, "connection refused"))
+        elif op == 1:
+            up = rnd.random() < 0.6
+            reg.record_probe(addr, ProbeResult(True, rnd.choice((0.001, 0.004, 0.03)), "",
+                                               ready=up if readyz else None,
+                                               ready_reason="" if up else "HTTP 500"))
+        elif op == 2:
+            reg.record_dial(addr, rnd.random() < 0.5, "refused")
+        elif op == 3:
+            reg.admin_drain(addr, 0)
+        elif op == 4:
+            reg.admin_undrain(addr, 0)
+        elif op == 5:
+            reg.set_endpoints(rnd.sample(EPS, rnd.randint(1, len(EPS))))
+        elif op == 6:  # a connection: least-conn's counts move without a state change
+            res = reg.reserve()
+            if res is not None:
+                conn = Conn(f"c{step}")
+                if reg.attach(res, conn):
+                    live.append((res.address, conn))
+        elif op == 7 and live:
+            reg.detach(*live.pop(rnd.randrange(len(live))))
+        else:
+            reg.tick()
+        want = allowed(reg, mode, readyz)
+        got = {reg.pick() for _ in range(60)}
+        if not want:
+            assert got == {None}, f"step {step}: picked {got} with nothing pickable"
+            continue
+        got_addrs = {str(ep) for ep in got if ep is not None}
+        assert None not in got and got_addrs <= want, f"step {step}: {got_addrs} not in {want}"
+        assert got_addrs == want, f"step {step}: {want - got_addrs} never picked"
