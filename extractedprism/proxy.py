@@ -349,7 +349,14 @@ class Proxy(PipePool):
                 pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
                             relay=self.relay, pin=self._pin)
                 attached = None
+                judge_ms = 0  # > 0: the relay call itself judges (Pipe.run_judged)
                 sent = 0  # of ``first``, already with this upstream
+                # Nowhere else to go, and nothing the client sent went elsewhere: the
+                # silent-upstream check could only delay this connection (a silent
+                # upstream keeps it either way), so the relay starts at once. A protocol
+                # whose server never speaks first (iperf3's data connections) would
+                # otherwise wait one dial timeout on a node with a single API server.
+                alone = res.alone and not res.panic
                 if self._judge_in_relay and not res.panic:
                     if first is None:
                         # The client's request, when it is there (the client speaks first),
@@ -357,16 +364,20 @@ class Proxy(PipePool):
                         # Python attaches the connection (new connections c=1: see
                         # docs/performance.md).
                         first, sent = take_first(client_sock.fileno(), upstream.fileno())
-                    # The common case: attached now, judged by the relay's own first
-                    # call (Pipe.run_judged), one GIL round trip fewer per connection.
-                    attached = reg.attach_unjudged(res, pipe)
-                # Attached unjudged: the relay call judges. Else judged here, first.
-                judge_ms = 0 if attached is None else max(1, int(self._dial_timeout * 1000))
-                if attached is None:
+                    if alone and (first is None or sent == len(first)):
+                        pipe.count_sent(sent)
+                        attached = reg.attach(res, pipe)
+                    else:
+                        # The common case: attached now, judged by the relay's own first
+                        # call (Pipe.run_judged), one GIL round trip fewer per connection.
+                        attached = reg.attach_unjudged(res, pipe)
+                        if attached is not None:
+                            judge_ms = max(1, int(self._dial_timeout * 1000))
+                if attached is None:  # judged here first, unless there is nothing to judge
                     if res.panic:
                         if first:  # a silent upstream had them; nothing else to judge by
                             self._first_answer(client_sock, upstream, first)
-                    else:
+                    elif not (alone and first is None):
                         answered, first = self._first_answer(client_sock, upstream, first,
                                                              sent)
                         if not answered and reg.any_pickable(exclude=tried):

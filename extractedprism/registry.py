@@ -86,6 +86,7 @@ class Registry(AdminActions):
         # The eligible upstreams for a pick, and what they were computed from (see
         # _choose_locked); None: not computed yet.
         self._pool: list[str] = []
+        self._pickable = 0  # how many upstreams are pickable, counted with _pool
         self._pool_key: tuple[object, ...] | None = None
 
     def _run(self, fx: Effects) -> None:
@@ -179,7 +180,13 @@ class Registry(AdminActions):
                 return None
             rec = self._ups[addr]
             rec.dialing += 1
-            return Reservation(self.lock, rec, addr)
+            if exclude:
+                skip = frozenset(exclude)
+                alone = not any(r.state.pickable and a != addr and a not in skip
+                                for a, r in self._ups.items())
+            else:
+                alone = self._pickable <= 1  # counted with the eligible list
+            return Reservation(self.lock, rec, addr, alone=alone)
 
     def reserve_endpoint(self, endpoint: Endpoint) -> Reservation | None:
         """Count a dial to ``endpoint`` chosen by panic mode; None if no longer known."""
@@ -212,8 +219,10 @@ class Registry(AdminActions):
         key = (tuple(ups), tuple(map(_STATE, ups.values())),
                self._latency.tier_map if self._latency_mode else None)
         if key != self._pool_key:
+            candidates = self._candidates_locked()
             self._pool = [c.address for c in eligible(
-                self._candidates_locked(), mode=self._selection, readyz=self._readyz)]
+                candidates, mode=self._selection, readyz=self._readyz)]
+            self._pickable = sum(1 for c in candidates if sm.pickable(c))
         self._pool_key = key  # also when equal: the next comparison is by identity again
         pool = self._pool
         if self._selection == "least-conn" and len(pool) > 1:

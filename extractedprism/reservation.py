@@ -24,12 +24,15 @@ class Counted(Protocol):
 class Reservation:
     """Releasing twice, or after attach, does nothing."""
 
-    __slots__ = ("_lock", "_rec", "address", "dial_seconds", "endpoint", "panic")
+    __slots__ = ("_lock", "_rec", "address", "alone", "dial_seconds", "endpoint", "panic")
 
     def __init__(self, lock: threading.RLock, rec: Counted, address: str, *,
-                 panic: bool = False) -> None:
+                 panic: bool = False, alone: bool = False) -> None:
         self._lock = lock  # the registry's
         self.panic = panic  # chosen by panic mode, not by selection
+        # No other upstream (not excluded) was pickable when this one was reserved: a
+        # connection it fails to serve has nowhere else to go.
+        self.alone = alone
         self.dial_seconds: float | None = None  # the successful dial's duration (attach)
         self._rec: Counted | None = rec  # the record counted, even if replaced since
         self.address = address

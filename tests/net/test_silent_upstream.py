@@ -3,7 +3,9 @@ handshakes from the backlog) costs a new connection at most one dial timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
 
 import pytest
@@ -80,3 +82,57 @@ def test_two_silent_verdicts_exclude_the_upstream(make_app, servers, relay):
             t0 = time.monotonic()
             _one_round_trip(app, 1000 + i)
             assert time.monotonic() - t0 < DIAL_TIMEOUT
+
+
+class _Listener:
+    """An upstream that never speaks (iperf3's data connections): it only collects what
+    each connection sends, and notes when ``want`` has arrived."""
+
+    def __init__(self, want: bytes) -> None:
+        self.want = want
+        self.got = b""
+        self.arrived = threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, name="test-listener", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:  # health checks connect too; one connection at a time is enough
+                conn, _ = self.sock.accept()
+                with conn:
+                    while chunk := conn.recv(4096):
+                        self.got += chunk
+                        if self.want in self.got:
+                            self.arrived.set()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("relay", ["native", "python"])
+def test_a_single_upstream_is_not_judged(make_app, relay):
+    """With no other upstream to move to, the check could only delay the connection: the
+    relay starts at once, also for a protocol whose server never speaks first."""
+    dial_timeout = 3.0  # long, so waiting for it cannot pass for relaying at once
+    up = _Listener(b"world")
+    try:
+        app = make_app([Endpoint("127.0.0.1", up.port)], health_interval=60.0,
+                       health_timeout=dial_timeout, relay=relay)
+        with socket.create_connection(app.proxy_address, timeout=5) as c:
+            c.sendall(b"hello ")  # the first bytes: the check would send them on, then wait
+            deadline = time.monotonic() + dial_timeout + SLACK
+            while b"hello " not in up.got and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert up.got == b"hello ", up.got
+            t0 = time.monotonic()
+            c.sendall(b"world")
+            assert up.arrived.wait(dial_timeout + SLACK), up.got
+            waited = time.monotonic() - t0
+        assert up.got == b"hello world"
+        assert waited < dial_timeout / 2, f"the bytes waited {waited:.2f}s in the proxy"
+        assert _errors(app, f"127.0.0.1:{up.port}") == 0
+    finally:
+        up.close()
