@@ -31,9 +31,12 @@
  * dozens of busy pipe threads to take it, and winning it back costs a context switch.
  * They only make calls that cannot block:
  *
- * connect(family, host, port, options) -> (fd, errno)
+ * connect(family, host, port, options[, client_fd]) -> (fd, errno, first, sent)
  *   a non-blocking TCP socket with the options set, its connect started (errno 0:
  *   connected already, EINPROGRESS, or the failure: then fd is already closed and -1).
+ *   With client_fd, a connect done at once also does take_first(client_fd, fd) (below),
+ *   so the client's request is on its way before Python builds anything for the
+ *   connection; else first, sent = None, 0.
  * close_pair(fd1, fd2, reset): close both (SO_LINGER 0 first when reset, so each peer
  *   gets a reset); close() of a socket without a lingering wait returns at once.
  *
@@ -263,12 +266,15 @@ static PyObject *relay(PyObject *self, PyObject *args) {
                          first_eof);
 }
 
+static PyObject *take_first_fds(int cfd, int ufd);
+
 static PyObject *connect_start(PyObject *self, PyObject *args) {
     (void)self;
-    int family, port;
+    int family, port, client_fd = -1;
     const char *host;
     PyObject *opts;
-    if (!PyArg_ParseTuple(args, "isiO!:connect", &family, &host, &port, &PyTuple_Type, &opts))
+    if (!PyArg_ParseTuple(args, "isiO!|i:connect", &family, &host, &port, &PyTuple_Type, &opts,
+                          &client_fd))
         return NULL;
     struct sockaddr_storage sa;
     socklen_t len;
@@ -312,7 +318,17 @@ static PyObject *connect_start(PyObject *self, PyObject *args) {
         close(fd);
         fd = -1;
     }
-    return Py_BuildValue("(ii)", fd, err);
+    /* Connected at once: the client's request goes on now, in the same call (take_first). */
+    PyObject *first = err || client_fd < 0 ? Py_BuildValue("(On)", Py_None, (Py_ssize_t)0)
+                                           : take_first_fds(client_fd, fd);
+    if (first == NULL) {
+        if (fd >= 0) close(fd);
+        return NULL;
+    }
+    PyObject *out = Py_BuildValue("(iiOO)", fd, err, PyTuple_GET_ITEM(first, 0),
+                                  PyTuple_GET_ITEM(first, 1));
+    Py_DECREF(first);
+    return out;
 bad_address:
     PyErr_Format(PyExc_ValueError, "not a numeric address: %s", host);
     return NULL;
@@ -421,6 +437,10 @@ static PyObject *take_first(PyObject *self, PyObject *args) {
     (void)self;
     int cfd, ufd;
     if (!PyArg_ParseTuple(args, "ii:take_first", &cfd, &ufd)) return NULL;
+    return take_first_fds(cfd, ufd);
+}
+
+static PyObject *take_first_fds(int cfd, int ufd) {
     /* On the heap and freed at once: a 16 KiB stack array would make every pipe thread
      * keep one more resident stack page (23.8 -> 19.9 KiB per idle connection). */
     char *buf = PyMem_RawMalloc(FIRST_MAX);
@@ -494,7 +514,8 @@ static PyMethodDef methods[] = {
      "relay(client_fd, upstream_fd, (up_r, up_w, down_r, down_w), counters[, pin]) -> "
      "(errno, left_up, left_down, first_eof)\n\nCopy both directions until both end (GIL released)."},
     {"connect", connect_start, METH_VARARGS,
-     "connect(family, host, port, options) -> (fd, errno): non-blocking connect started."},
+     "connect(family, host, port, options[, client_fd]) -> (fd, errno, first, sent): "
+     "non-blocking connect started; connected at once, take_first(client_fd, fd) too."},
     {"first_answer", first_answer, METH_VARARGS,
      "first_answer(client_fd, upstream_fd, timeout_ms, first) -> (answered, first)"},
     {"take_first", take_first, METH_VARARGS,

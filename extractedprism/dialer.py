@@ -120,13 +120,16 @@ class Dialer:
 
     # -- the pipe thread ------------------------------------------------------------------
 
-    def connect(self, tried: set[str]) -> tuple[socket.socket | None, Reservation | None]:
+    def connect(self, tried: set[str], take_first_from: int = -1
+                ) -> tuple[socket.socket | None, Reservation | None]:
         """Pick and dial until one upstream answers; ``tried`` collects every upstream
         tried. The reservation returned with the socket is still held: the caller
-        attaches or releases it. (None, None): nothing answered, panic mode included."""
+        attaches or releases it. (None, None): nothing answered, panic mode included.
+        ``take_first_from``: the client's fd, whose first bytes a first dial that connects
+        at once sends on itself (Reservation.first)."""
         dials: list[_Dial] = []
         if self._native:
-            won = self._fast(tried, dials)
+            won = self._fast(tried, dials, take_first_from)
             if won is not None:
                 return won
         if not self._hedge:
@@ -139,7 +142,7 @@ class Dialer:
                 d.close()
                 d.res.release()
 
-    def _fast(self, tried: set[str], dials: list[_Dial]
+    def _fast(self, tried: set[str], dials: list[_Dial], take_first_from: int
               ) -> tuple[socket.socket, Reservation] | None:
         """The common case in the least Python, since it is on every new connection's
         way to its upstream: a numeric endpoint whose connect completes at once
@@ -155,9 +158,10 @@ class Dialer:
             return None
         tried.add(res.address)
         started = time.monotonic()
-        fd, err = native_connect(target)
+        fd, err, first, sent = native_connect(target, take_first_from)
         if err == 0:
             res.dial_seconds = time.monotonic() - started
+            res.first, res.sent = first, sent
             return socket.socket(target[0], socket.SOCK_STREAM, 0, fd), res
         if fd < 0:  # refused at once, say: counted, and the general path tries the next
             self.record(res.address, OSError(err, os.strerror(err)),

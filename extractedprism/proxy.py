@@ -337,7 +337,8 @@ class Proxy(PipePool):
         debug = log.isEnabledFor(logging.DEBUG)  # per connection, never per byte
         while True:
             t0 = time.monotonic() if debug else 0.0
-            upstream, res = self._dialer.connect(tried)
+            upstream, res = self._dialer.connect(
+                tried, client_sock.fileno() if first is None and self._judge_in_relay else -1)
             if upstream is None or res is None:
                 _no_upstream(client=client)
                 if not self._stopping.is_set():
@@ -362,8 +363,10 @@ class Proxy(PipePool):
                         # The client's request, when it is there (the client speaks first),
                         # goes to the upstream now, so the upstream works on it while
                         # Python attaches the connection (new connections c=1: see
-                        # docs/performance.md).
-                        first, sent = take_first(client_sock.fileno(), upstream.fileno())
+                        # docs/performance.md); mostly the dial's own call did that.
+                        first, sent = res.first, res.sent
+                        if first is None:
+                            first, sent = take_first(client_sock.fileno(), upstream.fileno())
                     if alone and (first is None or sent == len(first)):
                         pipe.count_sent(sent)
                         attached = reg.attach(res, pipe)

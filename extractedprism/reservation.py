@@ -24,7 +24,8 @@ class Counted(Protocol):
 class Reservation:
     """Releasing twice, or after attach, does nothing."""
 
-    __slots__ = ("_lock", "_rec", "address", "alone", "dial_seconds", "endpoint", "panic")
+    __slots__ = ("_lock", "_rec", "address", "alone", "dial_seconds", "endpoint", "first",
+                 "panic", "sent")
 
     def __init__(self, lock: threading.RLock, rec: Counted, address: str, *,
                  panic: bool = False, alone: bool = False) -> None:
@@ -34,6 +35,10 @@ class Reservation:
         # connection it fails to serve has nowhere else to go.
         self.alone = alone
         self.dial_seconds: float | None = None  # the successful dial's duration (attach)
+        # The client's first bytes, when the dial itself took them and sent ``sent`` of
+        # them on (Dialer.connect's take_first_from); None: not taken.
+        self.first: bytes | None = None
+        self.sent = 0
         self._rec: Counted | None = rec  # the record counted, even if replaced since
         self.address = address
         self.endpoint = rec.endpoint

@@ -86,7 +86,7 @@ def begin_connect(family: int, addr: tuple, native: bool = False  # type: ignore
     """
     if native and _native_connect is not None and (len(addr) == 2 or not addr[3]):
         try:
-            fd, err = _native_connect(family, addr[0], addr[1], _OPTS)
+            fd, err, _, _ = _native_connect(family, addr[0], addr[1], _OPTS)
         except ValueError:
             pass  # not a plain numeric address: the stdlib takes it
         else:
@@ -110,10 +110,14 @@ def native_target(endpoint: Endpoint) -> tuple[int, str, int] | None:
     return _ip_family(endpoint.host), endpoint.host, endpoint.port
 
 
-def native_connect(target: tuple[int, str, int]) -> tuple[int, int]:
-    """The extension's connect with the connection options: (fd, errno), see _relay.c."""
+def native_connect(target: tuple[int, str, int], client_fd: int = -1
+                   ) -> tuple[int, int, bytes | None, int]:
+    """The extension's connect with the connection options: (fd, errno, first, sent); with
+    ``client_fd``, a connect done at once has also sent the client's first bytes on
+    (``first``, ``sent`` as take_first returns them; see _relay.c)."""
     assert _native_connect is not None
-    return _native_connect(target[0], target[1], target[2], _OPTS)  # type: ignore[no-any-return]
+    return _native_connect(  # type: ignore[no-any-return]
+        target[0], target[1], target[2], _OPTS, client_fd)
 
 
 def wait_connected(sock: socket.socket, timeout: float) -> None:

@@ -57,6 +57,42 @@ def test_dial_refused_raises_connection_refused(native):
             dial(Endpoint("127.0.0.1", bound.getsockname()[1]), 2.0, native)
 
 
+@pytest.mark.timeout(30)
+def test_native_connect_sends_the_clients_first_bytes_on():
+    """Dialer._fast's one call: a connect done at once also takes what the client has sent
+    and sends it on (take_first); nothing sent yet: (None, 0), and the bytes stay put."""
+    from extractedprism import sockopts
+
+    if sockopts._native_connect is None:
+        pytest.skip("the native relay extension is not built")
+    client, proxy_side = socket.socketpair()
+    with socket.create_server(("127.0.0.1", 0)) as srv, client, proxy_side:
+        target = (socket.AF_INET, "127.0.0.1", srv.getsockname()[1])
+        fd, err, first, sent = sockopts.native_connect(target, proxy_side.fileno())
+        assert err == 0 and (first, sent) == (None, 0)  # the client said nothing yet
+        os.close(fd)
+        srv.accept()[0].close()
+        client.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        wait_until(lambda: _has_bytes(proxy_side), 2)
+        fd, err, first, sent = sockopts.native_connect(target, proxy_side.fileno())
+        upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0, fd)
+        with upstream, srv.accept()[0] as peer:
+            assert err == 0 and first == b"GET / HTTP/1.1\r\n\r\n" and sent == len(first)
+            peer.settimeout(2)
+            assert peer.recv(100) == first
+        # Without a client fd nothing is taken.
+        fd, err, first, sent = sockopts.native_connect(target)
+        assert (first, sent) == (None, 0)
+        os.close(fd)
+
+
+def _has_bytes(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return False
+
+
 def test_native_connect_leaves_odd_addresses_to_the_stdlib():
     from extractedprism import sockopts
 

@@ -165,9 +165,9 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
 
     real_native = proxy_mod.native_connect
 
-    def racing_native(target):  # type: ignore[no-untyped-def]
+    def racing_native(target, *rest):  # type: ignore[no-untyped-def]
         # The native relay's first dial of a numeric endpoint (Dialer._fast).
-        got = real_native(target)
+        got = real_native(target, *rest)
         if f"{target[1]}:{target[2]}" == ups[0].address and not fired.is_set():
             fired.set()
             app.registry.set_endpoints([ups[1].endpoint])  # drain starts mid-dial

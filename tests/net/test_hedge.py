@@ -72,11 +72,11 @@ def test_black_holed_upstream_costs_the_hedge_delay_and_reaches_its_streak(
 
     real_native = dialer_mod.native_connect
 
-    def counting_native(target):  # type: ignore[no-untyped-def]
+    def counting_native(target, *rest):  # type: ignore[no-untyped-def]
         # The first dial of a numeric endpoint: one extension call (Dialer._fast).
         with lock:
             dials.append(f"{target[1]}:{target[2]}")
-        return real_native(target)
+        return real_native(target, *rest)
 
     monkeypatch.setattr(dialer_mod, "begin_connect", counting_begin)
     monkeypatch.setattr(dialer_mod, "native_connect", counting_native)
