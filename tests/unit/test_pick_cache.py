@@ -74,3 +74,28 @@ def test_picks_follow_every_state_change(mode: str, readyz: bool) -> None:
         got_addrs = {str(ep) for ep in got if ep is not None}
         assert None not in got and got_addrs <= want, f"step {step}: {got_addrs} not in {want}"
         assert got_addrs == want, f"step {step}: {want - got_addrs} never picked"
+
+
+def test_reservation_says_whether_another_upstream_could_take_the_connection() -> None:
+    """Reservation.alone (the silent-upstream check is skipped when it is True) counts every
+    pickable upstream, the readyz rule's unready ones included, minus the excluded."""
+    a, b, c = (str(ep) for ep in EPS[:3])
+    reg = Registry(readyz=True, clock=Clock(), rng=random.Random(3))
+    reg.set_endpoints(EPS[:3])
+    res = reg.reserve()
+    assert res is not None and not res.alone
+    res.release()
+    assert reg.reserve(exclude={a, b}).alone  # type: ignore[union-attr]
+    assert not reg.reserve(exclude={a}).alone  # type: ignore[union-attr]
+    down = ProbeResult(False, None, "connection refused")
+    for _ in range(2):  # two failures exclude
+        reg.record_probe(b, down)
+        reg.record_probe(c, down)
+    res = reg.reserve()
+    assert res is not None and res.address == a and res.alone
+    reg.record_probe(b, ProbeResult(True, 0.001, "", ready=False, ready_reason="HTTP 500"))
+    reg.record_probe(a, ProbeResult(True, 0.001, "", ready=True))
+    # b is healthy but unready: never picked while a is ready, yet it could take the
+    # connection if a stays silent, so a is not alone.
+    res = reg.reserve()
+    assert res is not None and res.address == a and not res.alone
