@@ -472,7 +472,8 @@ def settled_rss(pid: int, timeout: float = 5.0) -> dict:
 # --- upstreams and proxies ---------------------------------------------------------------
 
 
-def haproxy_config(port: int, upstream: int, nbthread: int) -> str:
+def haproxy_config(port: int, upstream: int, nbthread: int, hosts: tuple[str, ...] = (HOST,)
+                   ) -> str:
     """HAProxy as an operator would run it for this job: mode tcp, defaults otherwise.
 
     nbthread = CPU count (what HAProxy 2.x picks by itself), no health checks (extractedprism's
@@ -494,11 +495,11 @@ frontend fe
     default_backend be
 
 backend be
-    server up {HOST}:{upstream}
-"""
+""" + "".join(f"    server up{i} {h}:{upstream}\n" for i, h in enumerate(hosts))
 
 
-def nginx_config(tmp: Path, port: int) -> str:
+def nginx_config(tmp: Path, port: int, hosts: tuple[str, ...] = (HOST,)) -> str:
+    listen = "".join(f"        listen {h}:{port} backlog=4096;\n" for h in hosts)
     user = "user root;\n" if os.geteuid() == 0 else ""
     return f"""{user}worker_processes 1;
 daemon off;
@@ -517,8 +518,7 @@ http {{
     keepalive_timeout 300s;
     default_type application/octet-stream;
     server {{
-        listen {HOST}:{port} backlog=4096;
-        location / {{ root {tmp}/www; }}
+{listen}        location / {{ root {tmp}/www; }}
     }}
 }}
 """
@@ -543,16 +543,17 @@ class Bench:
 
     # proxies ------------------------------------------------------------------------------
 
-    def start_haproxy(self, tag: str, upstream: int) -> tuple[Proc, int]:
+    def start_haproxy(self, tag: str, upstream: int, hosts: tuple[str, ...] = (HOST,)
+                      ) -> tuple[Proc, int]:
         port = free_port()
         cfg = self.tmp / f"haproxy-{tag}.cfg"
-        cfg.write_text(haproxy_config(port, upstream, self.args.haproxy_threads))
+        cfg.write_text(haproxy_config(port, upstream, self.args.haproxy_threads, hosts))
         proc = self.procs.start(f"haproxy-{tag}", ["haproxy", "-db", "-f", str(cfg)])
         wait_listening(port, proc, self.procs)
         return proc, port
 
-    def start_ep(self, tag: str, upstream: int, relay: str = "native"
-                 ) -> tuple[Proc, int] | None:
+    def start_ep(self, tag: str, upstream: int, relay: str = "native",
+                 hosts: tuple[str, ...] = (HOST,)) -> tuple[Proc, int] | None:
         """Start extractedprism; on failure remember why and return None (not a harness error)."""
         if self.ep_error and not self.args.ep_retry:
             return None
@@ -562,8 +563,8 @@ class Bench:
             relay_args = ["--relay", relay]
         port, hport = free_port(), free_port()
         argv = [*shlex.split(self.args.ep_cmd.format(python=sys.executable)),
-                "--endpoints", f"{HOST}:{upstream}", "--bind-address", HOST,
-                "--bind-port", str(port), "--health-port", str(hport),
+                "--endpoints", ",".join(f"{h}:{upstream}" for h in hosts),
+                "--bind-address", HOST, "--bind-port", str(port), "--health-port", str(hport),
                 "--enable-discovery=false", "--health-interval", self.args.ep_health_interval,
                 "--health-timeout", "1s", "--max-connections", str(self.args.ep_max_connections),
                 "--log-level", "warn", *relay_args, *shlex.split(self.args.ep_args)]
@@ -597,7 +598,8 @@ class Bench:
                 return None
         return [str(binary)]
 
-    def start_ref(self, path: str, tag: str, upstream: int) -> tuple[Proc, int] | None:
+    def start_ref(self, path: str, tag: str, upstream: int, hosts: tuple[str, ...] = (HOST,)
+                  ) -> tuple[Proc, int] | None:
         """Start a reference proxy with the flags extractedprism gets (it ignores the rest)."""
         if path in self.ref_errors:
             return None
@@ -606,7 +608,8 @@ class Bench:
             self.ref_errors[path] = "could not build"
             return None
         port, hport = free_port(), free_port()
-        argv = [*cmd, "--endpoints", f"{HOST}:{upstream}", "--bind-address", HOST,
+        argv = [*cmd, "--endpoints", ",".join(f"{h}:{upstream}" for h in hosts),
+                "--bind-address", HOST,
                 "--bind-port", str(port), "--health-port", str(hport)]
         proc = self.procs.start(f"{path}-{tag}", argv, cwd=REPO, batch=True)
         if wait_healthy(hport, proc):
@@ -616,23 +619,26 @@ class Bench:
         self.procs.stop(proc)
         return None
 
-    def start_proxy(self, path: str, tag: str, upstream: int) -> tuple[Proc | None, int] | None:
-        """(proxy process or None for direct, port to load), or None if it could not start."""
+    def start_proxy(self, path: str, tag: str, upstream: int, hosts: tuple[str, ...] = (HOST,)
+                    ) -> tuple[Proc | None, int] | None:
+        """(proxy process or None for direct, port to load), or None if it could not start.
+        ``hosts``: the upstream's addresses, one endpoint / server each (direct: the first)."""
         if path == "direct":
             return None, upstream
         if path == "haproxy":
-            return self.start_haproxy(tag, upstream)
+            return self.start_haproxy(tag, upstream, hosts)
         if path == "ep-python":
-            return self.start_ep(tag, upstream, relay="python")
+            return self.start_ep(tag, upstream, relay="python", hosts=hosts)
         if path in REFS:
-            return self.start_ref(path, tag, upstream)
-        return self.start_ep(tag, upstream)
+            return self.start_ref(path, tag, upstream, hosts)
+        return self.start_ep(tag, upstream, hosts=hosts)
 
-    def proxies_for(self, tag: str, upstream: int) -> dict[str, tuple[Proc | None, int]]:
+    def proxies_for(self, tag: str, upstream: int, hosts: tuple[str, ...] = (HOST,)
+                    ) -> dict[str, tuple[Proc | None, int]]:
         """{path: (proxy process or None, port)} for the selected paths that started."""
         out: dict[str, tuple[Proc | None, int]] = {}
         for path in self.args.paths:
-            started = self.start_proxy(path, tag, upstream)
+            started = self.start_proxy(path, tag, upstream, hosts)
             if started:
                 out[path] = started
         return out
@@ -734,7 +740,7 @@ class Bench:
         www.mkdir(exist_ok=True)
         (www / "index.html").write_bytes(b"x" * (BODY_SIZE - 1) + b"\n")
         conf = self.tmp / "nginx.conf"
-        conf.write_text(nginx_config(self.tmp, up))
+        conf.write_text(nginx_config(self.tmp, up, self.args.http_hosts))
         srv = self.procs.start("nginx", ["nginx", "-p", str(self.tmp), "-c", str(conf),
                                          "-e", str(self.tmp / "nginx-error.log")])
         wait_listening(up, srv, self.procs)
@@ -753,7 +759,7 @@ class Bench:
 
     def phase_keepalive(self, srv_port: int) -> None:
         print("== keep-alive request/response (wrk -> nginx)", flush=True)
-        proxies = self.proxies_for("keepalive", srv_port)
+        proxies = self.proxies_for("keepalive", srv_port, self.args.http_hosts)
         try:
             proxies = {p: v for p, v in proxies.items() if self.check_http(p, v[1])}
             for rep in range(self.args.reps):
@@ -776,7 +782,7 @@ class Bench:
     def phase_newconn(self, srv_port: int) -> None:
         print(f"== new connection per request (wrk -c 1 and -c {self.args.newconn_conns}, "
               "Connection: close)", flush=True)
-        proxies = self.proxies_for("newconn", srv_port)
+        proxies = self.proxies_for("newconn", srv_port, self.args.http_hosts)
         try:
             proxies = {p: v for p, v in proxies.items() if self.check_http(p, v[1])}
             for rep in range(self.args.reps):
@@ -950,6 +956,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ep-python --relay python; the reference proxies ref-c and ref-py "
                         "(scripts/bench_ref/: the same data-path shape in C and in minimal "
                         "CPython) are opt-in")
+    p.add_argument("--http-upstreams", type=int, default=1,
+                   help="for the keep-alive and new-connection phases, nginx listens on this "
+                        "many loopback addresses (127.0.0.1 up, one port) and each proxy gets "
+                        "them all (HAProxy servers, round robin; extractedprism endpoints). "
+                        "Default 1; with 2 or more every new connection takes "
+                        "extractedprism's silent-upstream check, as on a node with several "
+                        "API servers (with one it is skipped: nowhere else to go)")
     p.add_argument("--haproxy-threads", type=int, default=os.cpu_count() or 1,
                    help="HAProxy nbthread (default: CPU count, as HAProxy itself picks)")
     p.add_argument("--ep-cmd", default=None,
@@ -980,6 +993,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.reps = a.reps or (1 if a.quick else 3)
     a.bulk_seconds = a.bulk_seconds or (2 if a.quick else 3)
     a.wrk_seconds = a.wrk_seconds or (2 if a.quick else 3)
+    if not 1 <= a.http_upstreams <= 8:
+        p.error("--http-upstreams must be 1-8")
+    a.http_hosts = tuple(f"127.0.0.{i}" for i in range(1, a.http_upstreams + 1))
     a.phases = [x for x in a.phases.split(",") if x]
     a.paths = [x for x in a.paths.split(",") if x]
     for x in a.phases:

@@ -80,15 +80,19 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--seconds", type=int, default=2)
     p.add_argument("--keepalive", action="store_true", help="keep-alive, not Connection: close")
+    p.add_argument("--upstreams", type=int, default=1,
+                   help="nginx on this many loopback addresses, each proxy given them all "
+                        "(2+: extractedprism's silent-upstream check runs, see bench.py)")
     args = p.parse_args()
     os.environ["PATH"] += ":/usr/sbin:/sbin"  # haproxy and nginx, as scripts/bench does
-    if not 1 <= args.reps <= 50 or not 1 <= args.seconds <= 30:
-        raise SystemExit("--reps must be 1-50 and --seconds 1-30")
+    if not 1 <= args.reps <= 50 or not 1 <= args.seconds <= 30 or not 1 <= args.upstreams <= 8:
+        raise SystemExit("--reps must be 1-50, --seconds 1-30 and --upstreams 1-8")
+    hosts = tuple(f"127.0.0.{i}" for i in range(1, args.upstreams + 1))
     tmp = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     (tmp / "www").mkdir()
     (tmp / "www" / "index.html").write_bytes(b"x" * bench.BODY_SIZE)
     up = bench.free_port()
-    (tmp / "nginx.conf").write_text(bench.nginx_config(tmp, up))
+    (tmp / "nginx.conf").write_text(bench.nginx_config(tmp, up, hosts))
     procs = [start(["nginx", "-p", str(tmp), "-c", str(tmp / "nginx.conf"),
                     "-e", str(tmp / "nginx-error.log")])]
     variants: list[tuple[str, int, int]] = []  # name, pid, port
@@ -97,7 +101,8 @@ def main() -> int:
         (tmp / "haproxy.cfg").write_text(
             f"global\n nbthread {os.cpu_count() or 1}\n maxconn 8000\ndefaults\n mode tcp\n"
             " timeout connect 10s\n timeout client 10m\n timeout server 10m\n"
-            f"listen l\n bind {HOST}:{port}\n server s {HOST}:{up}\n")
+            f"listen l\n bind {HOST}:{port}\n"
+            + "".join(f" server s{i} {h}:{up}\n" for i, h in enumerate(hosts)))
         procs.append(start(["haproxy", "-f", str(tmp / "haproxy.cfg")]))
         variants.append(("haproxy", procs[-1].pid, port))
         for spec in args.variant:
@@ -109,7 +114,8 @@ def main() -> int:
             env.update(f.split("=", 1) for f in flags if f.startswith("EP_") and "=" in f)
             flags = [f for f in flags if not (f.startswith("EP_") and "=" in f)]
             procs.append(start([sys.executable, "-m", "extractedprism", "--endpoints",
-                                f"{HOST}:{up}", "--bind-address", HOST, "--bind-port", str(port),
+                                ",".join(f"{h}:{up}" for h in hosts), "--bind-address", HOST,
+                                "--bind-port", str(port),
                                 "--health-port", str(hport), "--enable-discovery=false",
                                 "--health-interval", "30s", "--log-level", "warn",
                                 *flags], env=env, cwd=str(tmp)))

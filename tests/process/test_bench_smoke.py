@@ -219,3 +219,17 @@ def test_same_run_ratios_median_and_best() -> None:
     assert r["ka64_p99_ms"]["extractedprism"]["best"] == pytest.approx(1.0)  # lower wins
     text = bench.render_rep_ratios(r)
     assert "0.60 (0.80)" in text and "ep-python/HA" in text
+
+
+def test_http_upstreams_give_every_proxy_every_address() -> None:
+    """--http-upstreams N: nginx listens on N loopback addresses, HAProxy gets N servers."""
+    args = bench.parse_args(["--http-upstreams", "3"])
+    assert args.http_hosts == ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+    cfg = bench.haproxy_config(7445, 8080, 2, args.http_hosts)
+    assert [line.split()[2] for line in cfg.splitlines() if line.strip().startswith("server")] \
+        == ["127.0.0.1:8080", "127.0.0.2:8080", "127.0.0.3:8080"]
+    conf = bench.nginx_config(Path("/tmp/x"), 8080, args.http_hosts)
+    assert conf.count("listen 127.0.0.") == 3
+    assert bench.parse_args([]).http_hosts == ("127.0.0.1",)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--http-upstreams", "9"])
