@@ -404,6 +404,16 @@ static int check_first(PyObject *first, Py_ssize_t sent) {
     return -1;
 }
 
+/* Where first_answer_nogil finds or reads the first bytes. Given ones are sent from the
+ * bytes object itself (immutable, and the argument tuple keeps it alive while the GIL is
+ * released): no copy. Else a buffer to read them from the client, on the heap rather than
+ * the small pipe-thread stack (see take_first), returned in *owned for the caller to free
+ * (PyMem_RawFree(NULL) does nothing). NULL: out of memory. */
+static char *first_buffer(PyObject *first, char **owned) {
+    if (first != Py_None) return PyBytes_AS_STRING(first);
+    return *owned = PyMem_RawMalloc(FIRST_MAX);
+}
+
 static PyObject *first_answer(PyObject *self, PyObject *args) {
     (void)self;
     int cfd, ufd, timeout_ms;
@@ -414,17 +424,16 @@ static PyObject *first_answer(PyObject *self, PyObject *args) {
         check_first(first, sent) < 0)
         return NULL;
     int have = first != Py_None;
-    char *buf = PyMem_RawMalloc(FIRST_MAX); /* see take_first: not on the thread's stack */
+    char *owned = NULL, *buf = first_buffer(first, &owned);
     if (buf == NULL) return PyErr_NoMemory();
     Py_ssize_t n = have ? PyBytes_GET_SIZE(first) : 0;
-    if (have) memcpy(buf, PyBytes_AS_STRING(first), (size_t)n);
     int answered;
     Py_BEGIN_ALLOW_THREADS
     answered = first_answer_nogil(cfd, ufd, timeout_ms, buf, &n, have, have ? sent : 0);
     Py_END_ALLOW_THREADS
     PyObject *out = have ? Py_BuildValue("(iO)", answered, first)
                          : Py_BuildValue("(iy#)", answered, buf, n);
-    PyMem_RawFree(buf);
+    PyMem_RawFree(owned);
     return out;
 }
 
@@ -474,10 +483,7 @@ static PyObject *judged_relay(PyObject *self, PyObject *args) {
     }
     int have = first != Py_None;
     uint64_t *count = counters.buf;
-    /* Given first bytes are sent from the bytes object itself (immutable, and the argument
-     * tuple keeps it alive while the GIL is released); a buffer is needed only to read
-     * them from the client, and is off the small pipe-thread stack. */
-    char *buf = have ? PyBytes_AS_STRING(first) : PyMem_RawMalloc(FIRST_MAX);
+    char *owned = NULL, *buf = first_buffer(first, &owned);
     if (buf == NULL) {
         PyBuffer_Release(&counters);
         return PyErr_NoMemory();
@@ -492,8 +498,8 @@ static PyObject *judged_relay(PyObject *self, PyObject *args) {
         if (!silent) {
             /* Not needed for the relay: freed now, not at its end, or each long-lived
              * connection would keep a touched page (issue 16's idle-memory target). */
-            if (!have) PyMem_RawFree(buf);
-            buf = NULL;
+            PyMem_RawFree(owned);
+            owned = NULL;
             /* What went on before the relay: the first bytes (all of them, when answered). */
             __atomic_store_n(&count[0], count[0] + (uint64_t)n, __ATOMIC_RELAXED);
             /* The upstream answered, so its socket is readable: move the answer now
@@ -505,14 +511,14 @@ static PyObject *judged_relay(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&counters);
     PyObject *out;
-    if (silent && have)
+    if (silent && have) /* the same bytes, for the next upstream */
         out = Py_BuildValue("(iOinni)", 1, first, 0, (Py_ssize_t)0, (Py_ssize_t)0, 0);
     else if (silent)
         out = Py_BuildValue("(iy#inni)", 1, buf, n, 0, (Py_ssize_t)0, (Py_ssize_t)0, 0);
     else
         out = Py_BuildValue("(iOinni)", 0, Py_None, err, (Py_ssize_t)h[0].pending,
                             (Py_ssize_t)h[1].pending, first_eof);
-    if (buf != NULL && !have) PyMem_RawFree(buf);
+    PyMem_RawFree(owned);
     return out;
 }
 
