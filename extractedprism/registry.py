@@ -83,8 +83,8 @@ class Registry(AdminActions):
         self._connections_total = 0
         self._turned_away = 0
         self._closing = False
-        # The eligible upstreams for a pick, and what they were computed from (see
-        # _choose_locked); None: not computed yet.
+        # The eligible upstreams for a pick, and the key they were computed from (see
+        # _choose_locked; a key of None: not computed yet).
         self._pool: list[str] = []
         self._pickable = 0  # how many upstreams are pickable, counted with _pool
         self._pool_key: tuple[object, ...] | None = None
@@ -323,7 +323,7 @@ class Registry(AdminActions):
         if ok:
             rec.last_success = self._clock()
             if not sm.dial_success_changes(rec.state):
-                return None  # the common case: nothing to change, nobody to wake
+                return None  # nearly every connection: on_dial would change nothing
         state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)
         if state is rec.state:
             return None  # the common case: nothing to change, nobody to wake
