@@ -38,7 +38,7 @@ import time
 from array import array
 from collections.abc import Callable
 
-from extractedprism.firstbytes import first_answer
+from extractedprism.firstbytes import NativeFirstAnswer, first_answer
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ if _native is not None and not HAVE_SPLICE:
     _native, NATIVE_ERROR = None, "this platform has no splice()"
 
 
-def native_first_answer() -> Callable[[int, int, int, bytes | None], tuple[int, bytes]] | None:
+def native_first_answer() -> NativeFirstAnswer | None:
     """The extension's silent-upstream check (Proxy._first_answer), if it is loaded."""
     return None if _native is None else _relay.first_answer  # type: ignore[no-any-return]
 
