@@ -28,30 +28,32 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from extractedprism import __version__, handover, statefile
-from extractedprism.admin import AdminServer
-from extractedprism.config import Config
-from extractedprism.discovery import DiscoveryStatus, DiscoveryView
-from extractedprism.document import ProcessInfo, upstreams_document
-from extractedprism.endpoints import Endpoint
+from extractedprism import __version__
+from extractedprism.checks.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
+from extractedprism.checks.ticker import Ticker
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.config.table import Config
+from extractedprism.datapath.proxy import Proxy
+from extractedprism.datapath.shutdown_drain import spread_close
+from extractedprism.discovery import statefile
+from extractedprism.discovery.merge import CACHE, KUBERNETES, STATIC, Merger
+from extractedprism.discovery.status import DiscoveryStatus, DiscoveryView
 from extractedprism.errors import ListenError
-from extractedprism.heartbeat import Heartbeat
-from extractedprism.httpd import HealthServer
-from extractedprism.merge import CACHE, KUBERNETES, STATIC, Merger
-from extractedprism.metrics import Metrics
-from extractedprism.opsmetrics import (
+from extractedprism.health.document import ProcessInfo, upstreams_document
+from extractedprism.health.heartbeat import Heartbeat
+from extractedprism.health.metrics import Metrics
+from extractedprism.health.opsmetrics import (
     BuildInfoCollector,
     DiscoveryCollector,
     register_runtime_collectors,
 )
-from extractedprism.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
-from extractedprism.proxy import Proxy
-from extractedprism.registry import Change, Registry
-from extractedprism.shutdown_drain import spread_close
-from extractedprism.ticker import Ticker
+from extractedprism.health.server import HealthServer
+from extractedprism.ops import handover
+from extractedprism.ops.admin import AdminServer
+from extractedprism.upstreams.registry import Change, Registry
 
 if TYPE_CHECKING:
-    from extractedprism.watch import KubernetesProvider
+    from extractedprism.discovery.watch import KubernetesProvider
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +275,7 @@ class App:
     def _start_discovery(self) -> None:
         # Imported here: the kubernetes client takes ~0.5 s to import, which static-only
         # runs (and every in-process test) need not pay.
-        from extractedprism.watch import KubernetesProvider
+        from extractedprism.discovery.watch import KubernetesProvider
 
         provider = "kubernetes"
         self.discovery = KubernetesProvider(

@@ -28,20 +28,20 @@ from collections.abc import Mapping, Sequence
 import configargparse
 
 from extractedprism import __version__
-from extractedprism.config import FLAGS, Config, ConfigError, Flag, validate
+from extractedprism.config.table import FLAGS, Config, ConfigError, Flag, validate
 from extractedprism.errors import ListenError
-from extractedprism.logfmt import FATAL
-from extractedprism.logsetup import setup_logging, shutdown_logging
-from extractedprism.threaddump import grouped_dump
+from extractedprism.logs.logfmt import FATAL
+from extractedprism.logs.setup import setup_logging, shutdown_logging
+from extractedprism.logs.threaddump import grouped_dump
 
 log = logging.getLogger("extractedprism")
 
 # `extractedprism NAME args...` -> "module:function", called with args; returns the exit
 # status. Each subcommand's code lives in its own module, imported only when run.
 SUBCOMMANDS: dict[str, str] = {
-    "status": "extractedprism.status:main",
-    "admin": "extractedprism.admin:main",
-    "static-pod": "extractedprism.staticpod:main",
+    "status": "extractedprism.ops.status:main",
+    "admin": "extractedprism.ops.admin:main",
+    "static-pod": "extractedprism.ops.staticpod:main",
 }
 
 def flag_help(flag: Flag) -> str:
@@ -222,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {problem}", file=sys.stderr)
         return 2
 
-    from extractedprism.pipe import RelayUnavailable, resolve_relay
+    from extractedprism.datapath.pipe import RelayUnavailable, resolve_relay
 
     try:
         resolve_relay(config.relay)

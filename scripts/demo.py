@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import trustme  # noqa: E402
 
-from extractedprism.status import conns_text, state_word  # noqa: E402
+from extractedprism.ops.status import conns_text, state_word  # noqa: E402
 
 UPSTREAMS = 3
 

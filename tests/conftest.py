@@ -13,8 +13,8 @@ import pytest
 import trustme
 
 from extractedprism.app import App
-from extractedprism.config import Config
-from extractedprism.endpoints import Endpoint
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.config.table import Config
 from tests.fakes.fake_apiserver import FakeApiServer
 from tests.fakes.upstream import EchoServer, IdentityServer
 

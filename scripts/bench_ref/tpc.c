@@ -2,7 +2,7 @@
 // with no GIL, so `scripts/bench --paths ...,ref-c` can tell how much of a gap to HAProxy
 // the shape itself costs on a machine and how much CPython adds (docs/performance.md).
 //
-// Shape, as in extractedprism/proxy.py and pipe.py: an acceptor thread hands each
+// Shape, as in extractedprism/datapath/proxy.py and pipe.py: an acceptor thread hands each
 // accepted socket to the most recently parked of 64 pre-started pipe threads (LIFO, each
 // with its own semaphore); the pipe thread connects to the upstream, sets TCP_NODELAY on
 // both sockets, makes them non-blocking, sleeps in poll() on both and moves bytes with

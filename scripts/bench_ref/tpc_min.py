@@ -2,7 +2,7 @@
 the least CPython that can express it (no registry, metrics, retries, draining or
 options), to tell how fast any CPython implementation of that shape can be here.
 
-Same shape as scripts/bench_ref/tpc.c and extractedprism/proxy.py + pipe.py: the main
+Same shape as scripts/bench_ref/tpc.c and extractedprism/datapath/proxy.py + pipe.py: the main
 thread accepts and hands each socket to the most recently parked of 64 pre-started
 pipe threads; each pipe thread connects, sleeps in poll on both sockets and splices
 through its two kernel pipes. scripts/bench starts it with SCHED_BATCH, the product's

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from extractedprism.config import FLAGS, Flag
+from extractedprism.config.table import FLAGS, Flag
 from tests.util import ROOT
 
 CHART_DIR = ROOT / "chart" / "extractedprism"
@@ -79,7 +79,7 @@ def env_of(c: dict[str, Any]) -> dict[str, str]:
 
 
 def flag_values(env: dict[str, str]) -> dict[str, str | None]:
-    """EP_ env -> the dict extractedprism.config.validate() takes (keyed by dest)."""
+    """EP_ env -> the dict extractedprism.config.table.validate() takes (keyed by dest)."""
     return {f.dest: env.get(f.env) for f in FLAGS}
 
 

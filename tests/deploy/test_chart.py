@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import extractedprism
-from extractedprism.config import (
+from extractedprism.config.table import (
     FLAGS,
     HEALTH_CHECKS,
     LOG_FORMATS,

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extractedprism.config import ConfigError, validate
+from extractedprism.config.table import ConfigError, validate
 from tests.deploy.helpers import (
     CHART_DIR,
     ENDPOINTS,
@@ -170,7 +170,7 @@ def test_discovery_defaults_to_readyz_with_the_service_account_ca(unchecked_char
     ("0s", 11, True),
 ])
 def test_termination_grace_exceeds_the_drain_window(drain, grace, ok) -> None:
-    from extractedprism.config import parse_duration
+    from extractedprism.config.table import parse_duration
 
     values = {"endpoints": ENDPOINTS, "shutdownDrainTimeout": drain,
               "terminationGracePeriodSeconds": grace}
@@ -191,8 +191,8 @@ def test_termination_grace_exceeds_the_drain_window(drain, grace, ok) -> None:
 
 def test_every_cross_field_rule_of_the_program_has_a_case(unchecked_chart) -> None:
     """A new Rule row in config.RULES fails this until RULES above (and the chart) cover it."""
-    from extractedprism.config import FLAG_BY_NAME
-    from extractedprism.config import RULES as PROGRAM_RULES
+    from extractedprism.config.table import FLAG_BY_NAME
+    from extractedprism.config.table import RULES as PROGRAM_RULES
 
     problems = [p for case in RULES.values()
                 for p in program_problems(unchecked_chart, {"endpoints": ENDPOINTS, **case})]

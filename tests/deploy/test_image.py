@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from extractedprism.config import FLAG_BY_NAME, parse_duration
+from extractedprism.config.table import FLAG_BY_NAME, parse_duration
 from tests.deploy.helpers import CONTAINERFILE, container, containerfile_stages, env_of, render
 from tests.fakes.upstream import FakeUpstream
 from tests.util import ROOT, free_ports, wait_until
@@ -312,7 +312,7 @@ def _run_checks(proc: subprocess.Popen[str], bind_port: int, health_port: int,
     out, _ = proc.communicate(timeout=drain + 30)
     assert proc.returncode == 0, out
     assert "Traceback" not in out, out
-    if (ROOT / "extractedprism" / "_relay.c").exists():
+    if (ROOT / "extractedprism" / "datapath" / "_relay.c").exists():
         # --relay auto (the chart's default) picked the compiled extension the image carries.
         assert "relay=native" in out, out
 

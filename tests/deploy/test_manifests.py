@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 from kubernetes_validate.utils import all_versions
 
-from extractedprism.config import FLAGS, validate
+from extractedprism.config.table import FLAGS, validate
 from tests.deploy.helpers import (
     ENDPOINTS,
     EXAMPLES_DIR,

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 import extractedprism
-from extractedprism import staticpod
-from extractedprism.config import FLAGS, ConfigError, parse_duration, validate
+from extractedprism.config.table import FLAGS, ConfigError, parse_duration, validate
+from extractedprism.ops import staticpod
 from tests.deploy.helpers import CHART_DIR, EXAMPLES_DIR, KUBE_VERSION, load_yaml_docs
 from tests.util import ROOT
 

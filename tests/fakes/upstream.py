@@ -35,7 +35,7 @@ from typing import Any
 
 import trustme
 
-from extractedprism.endpoints import Endpoint
+from extractedprism.config.endpoints import Endpoint
 
 log = logging.getLogger(__name__)
 

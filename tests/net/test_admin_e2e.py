@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from extractedprism import admin
 from extractedprism.app import App
-from extractedprism.endpoints import Endpoint
-from extractedprism.registry import ProbeResult
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.ops import admin
+from extractedprism.upstreams.registry import ProbeResult
 from tests.conftest import fast_config
 from tests.net.test_drain import closed, open_to, still_open
 from tests.net.test_upstreams_doc import entry, when
@@ -72,7 +72,7 @@ def test_drain_keeps_live_connections_stops_new_ones_and_undrain_restores(
         # Still health-checked while drained (each check is one accepted connection).
         seen = ups[0].accepted
         wait_until(lambda: ups[0].accepted >= seen + 2, 5, message="probes continue")
-        logged = [r.getMessage() for r in caplog.records if r.name == "extractedprism.admin"]
+        logged = [r.getMessage() for r in caplog.records if r.name == "extractedprism.ops.admin"]
         assert any(f"action=drain upstream={addr} uid={os.getuid()}" in m for m in logged)
 
         assert run(sock_path, "undrain", addr) == 0

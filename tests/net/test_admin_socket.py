@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from extractedprism import admin
+from extractedprism.ops import admin
 from tests.util import run_cli, wait_until
 
 
@@ -172,7 +172,7 @@ def test_actions_reach_the_target_with_the_callers_uid(
     raw_request(server.path, b'{"command": "undrain", "address": " 127.0.0.1:6443"}\n')
     assert target.calls == [("drain", "127.0.0.1:6443", uid), ("close", "[::1]:6443", uid, True),
                             ("undrain", "127.0.0.1:6443", uid)]
-    logged = [r.getMessage() for r in caplog.records if r.name == "extractedprism.admin"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "extractedprism.ops.admin"]
     assert any(f"action=drain upstream=127.0.0.1:6443 uid={uid} pid={os.getpid()}" in m
                for m in logged), logged
 

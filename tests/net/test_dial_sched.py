@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from extractedprism import sched
-from extractedprism.endpoints import Endpoint
-from extractedprism.sockopts import CONNECTION_SOCKOPTS, dial
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.datapath import sched
+from extractedprism.datapath.sockopts import CONNECTION_SOCKOPTS, dial
 from tests.util import wait_until
 
 
@@ -61,7 +61,7 @@ def test_dial_refused_raises_connection_refused(native):
 def test_native_connect_sends_the_clients_first_bytes_on():
     """Dialer._fast's one call: a connect done at once also takes what the client has sent
     and sends it on (take_first); nothing sent yet: (None, 0), and the bytes stay put."""
-    from extractedprism import sockopts
+    from extractedprism.datapath import sockopts
 
     if sockopts._native_connect is None:
         pytest.skip("the native relay extension is not built")
@@ -94,7 +94,7 @@ def _has_bytes(sock: socket.socket) -> bool:
 
 
 def test_native_connect_leaves_odd_addresses_to_the_stdlib():
-    from extractedprism import sockopts
+    from extractedprism.datapath import sockopts
 
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from extractedprism.app import App
-from extractedprism.endpoints import Endpoint
+from extractedprism.config.endpoints import Endpoint
 from tests.conftest import fast_config
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
 from tests.fakes.upstream import IdentityServer
@@ -376,7 +376,7 @@ def test_a_dying_watcher_does_not_fail_healthz_and_is_restarted(
     # Provider failures are isolated: a watcher that dies is restarted and counted, and
     # /healthz (a kubelet restart would cut every connection of the node) stays 200.
     # The old heartbeat failed liveness with "discovery thread exited".
-    from extractedprism import watch
+    from extractedprism.discovery import watch
     from tests.util import http
 
     deaths: list[int] = []

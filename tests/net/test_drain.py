@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 
-from extractedprism.endpoints import Endpoint
+from extractedprism.config.endpoints import Endpoint
 from tests.util import (
     connect,
     connection_count,
@@ -147,7 +147,7 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
     """A connection whose upstream starts draining while it is dialed gets one retry."""
     ups = servers(2)
     app = make_app([u.endpoint for u in ups], drain_timeout=5.0)
-    from extractedprism import dialer as proxy_mod  # where the blocking dial is called
+    from extractedprism.datapath import dialer as proxy_mod  # where the blocking dial is called
 
     real_dial = proxy_mod.dial
     fired = threading.Event()
@@ -221,7 +221,7 @@ def test_max_connections_backpressure(make_app, servers):
 def test_pool_shrinks_back_after_a_burst(make_app, servers):
     import os as _os
 
-    from extractedprism.proxy import PRESTART_THREADS
+    from extractedprism.datapath.proxy import PRESTART_THREADS
 
     ups = servers(1)
     app = make_app([u.endpoint for u in ups])

@@ -232,8 +232,8 @@ def test_pause_accept_leaves_connects_in_backlog() -> None:
 
 
 def test_fill_backlog_makes_connects_time_out() -> None:
-    from extractedprism.endpoints import Endpoint
-    from extractedprism.probes import probe
+    from extractedprism.checks.probes import probe
+    from extractedprism.config.endpoints import Endpoint
 
     with IdentityServer(name="slow", backlog=0) as ident:
         assert ident.fill_backlog() >= 1

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from extractedprism import sched
-from extractedprism.config import FLAGS, ConfigError, validate
+from extractedprism.config.table import FLAGS, ConfigError, validate
+from extractedprism.datapath import sched
 from tests.fakes.upstream import EchoServer
 from tests.net.test_proxy import relay_app
 from tests.util import connect, wait_until
@@ -110,7 +110,7 @@ def test_off_pins_nothing(make_app, servers) -> None:
 
 
 def test_the_extension_says_when_it_lets_out() -> None:
-    relay = pytest.importorskip("extractedprism._relay")
+    relay = pytest.importorskip("extractedprism.datapath._relay")
     assert relay.UNPIN_AFTER_WAKEUPS == UNPIN_AFTER
 
 

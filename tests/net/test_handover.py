@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from extractedprism import handover
+from extractedprism.ops import handover
 from tests.util import http, wait_until
 
 pytestmark = pytest.mark.timeout(60)

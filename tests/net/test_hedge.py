@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from extractedprism import dialer as dialer_mod
-from extractedprism.endpoints import Endpoint
-from extractedprism.probes import ProbeResult
+from extractedprism.checks.probes import ProbeResult
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.datapath import dialer as dialer_mod
 from tests.util import wait_until
 
 HEDGE = 0.1

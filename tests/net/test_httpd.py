@@ -409,7 +409,7 @@ def test_http10_keep_alive_is_confirmed(app):
 
 @pytest.mark.timeout(30)
 def test_connection_flood_beyond_the_limit_displaces_the_oldest_waiting(app, caplog):
-    from extractedprism.httpconn import MAX_CONNECTIONS
+    from extractedprism.health.conn import MAX_CONNECTIONS
 
     n = MAX_CONNECTIONS + 100
     clients = []
@@ -455,7 +455,7 @@ def _peek_open(s: socket.socket) -> bool:
 # -- the connection loop itself ----------------------------------------------------------
 
 def _big_answer_loop(monkeypatch: pytest.MonkeyPatch, threads: int):  # type: ignore[no-untyped-def]
-    from extractedprism import httpconn
+    from extractedprism.health import conn as httpconn
 
     monkeypatch.setattr(httpconn, "MAX_REQUEST_THREADS", threads)
     big = b"x" * (16 << 20)  # more than the kernel buffers for a client that does not read

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from extractedprism import pipe as pipe_mod
-from extractedprism.pipe import Pipe
+from extractedprism.datapath import pipe as pipe_mod
+from extractedprism.datapath.pipe import Pipe
 from tests.util import wait_until
 
 

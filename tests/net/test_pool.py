@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from extractedprism import proxy as proxy_mod
+from extractedprism.datapath import proxy as proxy_mod
 from tests.fakes.upstream import IdentityServer
 from tests.util import wait_until
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import trustme
 
-from extractedprism import probes
-from extractedprism.endpoints import Endpoint
-from extractedprism.probes import ProbeResult, ReadyzSettings, probe
+from extractedprism.checks import probes
+from extractedprism.checks.probes import ProbeResult, ReadyzSettings, probe
+from extractedprism.config.endpoints import Endpoint
 from tests.fakes.upstream import FakeUpstream, _Server
 
 SERVER_NAME = "kubernetes.default.svc"

@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from extractedprism import pipe as pipe_mod
-from extractedprism.endpoints import Endpoint
-from extractedprism.proxy import Proxy
-from extractedprism.registry import Registry
-from extractedprism.sockopts import USER_TIMEOUT_MS
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.datapath import pipe as pipe_mod
+from extractedprism.datapath.proxy import Proxy
+from extractedprism.datapath.sockopts import USER_TIMEOUT_MS
+from extractedprism.upstreams.registry import Registry
 from tests.fakes.upstream import EchoServer
 from tests.util import (
     connect,

@@ -14,7 +14,7 @@ import pytest
 from tests.fakes.upstream import EchoServer
 from tests.util import connect, wait_until
 
-pytest.importorskip("extractedprism._relay")
+pytest.importorskip("extractedprism.datapath._relay")
 F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 DEFAULT = 64 * 1024
 BIG = 1024 * 1024

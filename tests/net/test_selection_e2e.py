@@ -7,7 +7,7 @@ import dataclasses
 import socket
 import time
 
-from extractedprism.probes import probe
+from extractedprism.checks.probes import probe
 from tests.util import (
     connect,
     first_checks_recorded,

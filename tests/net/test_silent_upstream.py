@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from extractedprism.endpoints import Endpoint
+from extractedprism.config.endpoints import Endpoint
 from tests.fakes.upstream import EchoServer
 
 DIAL_TIMEOUT = 0.5  # --health-timeout, the proxy's dial timeout

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from extractedprism.app import App
-from extractedprism.endpoints import Endpoint
+from extractedprism.config.endpoints import Endpoint
 from tests.conftest import fast_config
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
 from tests.fakes.upstream import IdentityServer

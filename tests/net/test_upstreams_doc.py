@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from extractedprism import __version__
-from extractedprism.endpoints import Endpoint
-from extractedprism.registry import ProbeResult
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.upstreams.registry import ProbeResult
 from tests.net.test_drain import open_to
 from tests.util import connect, first_checks_recorded, http, read_line, wait_until, whoami
 

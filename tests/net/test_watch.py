@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from extractedprism import kube
-from extractedprism.config import Config
-from extractedprism.endpoints import Endpoint
-from extractedprism.kube import ClientConfigError, proxy_url
-from extractedprism.metrics import Metrics
-from extractedprism.watch import KubernetesProvider
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.config.table import Config
+from extractedprism.discovery import kube
+from extractedprism.discovery.kube import ClientConfigError, proxy_url
+from extractedprism.discovery.watch import KubernetesProvider
+from extractedprism.health.metrics import Metrics
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
 from tests.util import FixedRandom, sample, wait_until
 
@@ -724,7 +724,7 @@ def test_broken_kubeconfig_raises_a_config_error(api: FakeApiServer, tmp_path: P
 
 def test_no_client_logs_one_warning_and_stays_healthy(
         api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="extractedprism.watch")
+    caplog.set_level(logging.INFO, logger="extractedprism.discovery.watch")
     h = Harness(api, tmp_path / "no-sa")
     h.provider.start()
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -780,7 +780,7 @@ def test_a_dying_watch_loop_is_restarted_with_backoff_counted_and_logged(
         real(client)  # type: ignore[arg-type]
 
     h.provider._watch_forever = dies_twice  # type: ignore[method-assign]
-    with caplog.at_level(logging.ERROR, logger="extractedprism.watch"):
+    with caplog.at_level(logging.ERROR, logger="extractedprism.discovery.watch"):
         h.provider.start()
         try:
             h.wait_watches(1)  # restarted: listed and watching again

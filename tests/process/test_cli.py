@@ -14,7 +14,7 @@ from typing import IO
 import pytest
 
 from extractedprism.cli import unknown_env_vars
-from extractedprism.config import FLAGS
+from extractedprism.config.table import FLAGS
 from tests.fakes.upstream import IdentityServer
 from tests.logcheck import parse_logfmt
 from tests.process.proxyproc import start_proxy as start_proxy_logged

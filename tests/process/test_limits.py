@@ -135,9 +135,9 @@ def test_sigterm_with_500_live_connections_exits_0_within_6s():
 
 _HEALTH_ONLY = """
 import os, resource, sys, time
-from extractedprism.httpd import HealthServer
-from extractedprism.metrics import Metrics
-from extractedprism.registry import Registry
+from extractedprism.health.server import HealthServer
+from extractedprism.health.metrics import Metrics
+from extractedprism.upstreams.registry import Registry
 m = Metrics()
 srv = HealthServer(Registry(), m, lambda: True, host="127.0.0.1", port=0)
 srv.start()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extractedprism.backoff import Backoff, Ended, WatchMemory, next_step
+from extractedprism.discovery.backoff import Backoff, Ended, WatchMemory, next_step
 from tests.util import FixedRandom
 
 pytestmark = pytest.mark.timeout(30)

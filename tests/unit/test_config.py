@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from extractedprism.config import (
+from extractedprism.config.endpoints import Endpoint, parse_endpoint
+from extractedprism.config.table import (
     FLAGS,
     ConfigError,
     format_duration,
@@ -12,7 +13,6 @@ from extractedprism.config import (
     parse_duration,
     validate,
 )
-from extractedprism.endpoints import Endpoint, parse_endpoint
 
 OK = {"endpoints": "10.0.0.1:6443"}
 
@@ -213,7 +213,7 @@ def test_bad_bind_address_is_reported_once():
 
 
 def test_every_flag_has_a_converter_and_every_rule_names_real_flags():
-    from extractedprism.config import KINDS, RULES
+    from extractedprism.config.table import KINDS, RULES
     dests = {f.dest for f in FLAGS}
     assert all(f.kind in KINDS for f in FLAGS)
     for rule in RULES:
@@ -224,7 +224,7 @@ def test_a_new_flag_row_is_validated_by_its_own_checks():
     # The table is the validation: a row with a check is checked without other code.
     import dataclasses
 
-    from extractedprism import config as cfg
+    from extractedprism.config import table as cfg
     row = cfg.Flag("extra-port", "int", "1", "test", checks=(cfg.PORT,))
     fields = [(f.name, f.type, f) for f in dataclasses.fields(cfg.Config)]
     extended = dataclasses.make_dataclass(

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from extractedprism.connlog import RateLimited
+from extractedprism.logs.connlog import RateLimited
 
 
 class Clock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extractedprism.config import ConfigError, validate
+from extractedprism.config.table import ConfigError, validate
 
 
 def config(**values: str):  # type: ignore[no-untyped-def]

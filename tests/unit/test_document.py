@@ -8,9 +8,9 @@ from datetime import datetime
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extractedprism.dialstats import BUCKETS, DialHistogram
-from extractedprism.discovery import DiscoveryStatus
-from extractedprism.document import discovery_entry, rfc3339
+from extractedprism.discovery.status import DiscoveryStatus
+from extractedprism.health.document import discovery_entry, rfc3339
+from extractedprism.upstreams.dialstats import BUCKETS, DialHistogram
 
 
 def test_rfc3339_has_milliseconds_and_an_offset() -> None:

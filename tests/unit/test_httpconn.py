@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extractedprism.httpconn import request_head_end
+from extractedprism.health.conn import request_head_end
 
 
 @pytest.mark.parametrize("buf, end", [

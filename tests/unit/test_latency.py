@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extractedprism.latency import ALPHA, HYSTERESIS, LatencyTiers, smooth, tier_limit
+from extractedprism.upstreams.latency import ALPHA, HYSTERESIS, LatencyTiers, smooth, tier_limit
 
 MS = 0.001
 

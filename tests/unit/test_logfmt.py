@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extractedprism.logfmt import LineFormatter, level_name, quote, structure
+from extractedprism.logs.logfmt import LineFormatter, level_name, quote, structure
 from tests.logcheck import parse_json, parse_logfmt
 
 
@@ -133,7 +133,7 @@ def test_json_is_one_object_per_line():
 def test_timestamp_matches_datetimes_own_rfc3339(created):
     import datetime
 
-    from extractedprism.logfmt import rfc3339
+    from extractedprism.logs.logfmt import rfc3339
 
     whole_ms = int(created * 1000) / 1000
     expected = datetime.datetime.fromtimestamp(int(created * 1000) // 1000).astimezone()

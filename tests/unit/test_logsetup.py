@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from extractedprism import logsetup
-from extractedprism.logsetup import LEVELS, setup_logging, shutdown_logging
+from extractedprism.logs import setup as logsetup
+from extractedprism.logs.setup import LEVELS, setup_logging, shutdown_logging
 from tests.logcheck import parse, parse_logfmt
 from tests.util import PYTHON, ROOT, wait_until
 
@@ -121,7 +121,7 @@ def test_a_stalled_stream_never_blocks_the_caller_and_drops_are_counted(monkeypa
 
 CAPTURE_SCRIPT = textwrap.dedent("""
     import logging, sys, threading, warnings
-    from extractedprism.logsetup import setup_logging
+    from extractedprism.logs.setup import setup_logging
     setup_logging("debug", fmt=sys.argv[1], background=True, capture=True)
     warnings.warn("a library warning")
     print("a stray line\\nand another", file=sys.stderr)

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
-from extractedprism.endpoints import Endpoint, parse_endpoint
-from extractedprism.merge import Merger, Roles
-from extractedprism.metrics import Metrics
+from extractedprism.config.endpoints import Endpoint, parse_endpoint
+from extractedprism.discovery.merge import Merger, Roles
+from extractedprism.health.metrics import Metrics
 from tests.util import sample
 
 pytestmark = pytest.mark.timeout(30)
@@ -104,7 +104,7 @@ def test_thread_safe_updates_end_consistent(setup: Setup) -> None:
 def test_hostnames_dedupe_case_insensitively_and_without_the_root_dot(setup: Setup) -> None:
     # --endpoints CP1.example.com:6443 and an EndpointSlice FQDN cp1.example.com. are one
     # upstream: not two with a doubled share of the picks and duplicated series.
-    from extractedprism.slices import endpoints_from_slices
+    from extractedprism.discovery.slices import endpoints_from_slices
     from tests.fakes.fake_apiserver import make_slice
 
     m, applied, _ = setup

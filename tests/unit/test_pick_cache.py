@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from extractedprism.endpoints import Endpoint
-from extractedprism.probes import ProbeResult
-from extractedprism.registry import Registry
-from extractedprism.selection import Candidate, eligible
+from extractedprism.checks.probes import ProbeResult
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.upstreams.registry import Registry
+from extractedprism.upstreams.selection import Candidate, eligible
 from tests.unit.test_registry import Clock, Conn
 
 EPS = [Endpoint(f"10.0.0.{i}", 6443) for i in range(1, 5)]

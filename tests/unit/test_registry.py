@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from extractedprism.endpoints import Endpoint
-from extractedprism.metrics import Metrics
-from extractedprism.probes import ProbeResult
-from extractedprism.registry import Change, Registry
+from extractedprism.checks.probes import ProbeResult
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.health.metrics import Metrics
+from extractedprism.upstreams.registry import Change, Registry
 from tests.util import sample
 
 A, B, C = "10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"
@@ -314,7 +314,7 @@ class _StallingHandler(logging.Handler):
 def test_a_stalled_log_handler_does_not_stall_pick():
     reg, *_ = make()
     handler = _StallingHandler()
-    logger = logging.getLogger("extractedprism.registry")
+    logger = logging.getLogger("extractedprism.upstreams.registry")
     logger.addHandler(handler)
     old_level = logger.level
     logger.setLevel(logging.INFO)
@@ -366,8 +366,8 @@ def test_the_registry_needs_no_metrics_object():
     import inspect
 
     assert "metrics" not in inspect.signature(Registry).parameters
-    import extractedprism.registry as registry_module
-    assert "extractedprism.metrics" not in inspect.getsource(registry_module)
+    import extractedprism.upstreams.registry as registry_module
+    assert "extractedprism.health.metrics" not in inspect.getsource(registry_module)
 
 
 def _lock_free_elsewhere(reg: Registry) -> bool:

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from extractedprism import upstream as sm
-from extractedprism.endpoints import Endpoint
-from extractedprism.registry import Registry
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.upstreams import state as sm
+from extractedprism.upstreams.registry import Registry
 from tests.unit.test_registry import DOWN, EPS, OK, Clock, Conn, ready
 
 A, B, C = (str(e) for e in EPS)

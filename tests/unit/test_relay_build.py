@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from extractedprism import pipe
+from extractedprism.datapath import pipe
 from tests.util import PYTHON, ROOT, free_ports
 
-SOURCE = ROOT / "extractedprism" / "_relay.c"
+SOURCE = ROOT / "extractedprism" / "datapath" / "_relay.c"
 
 
 def test_extension_compiles_without_warnings(tmp_path: Path) -> None:
@@ -37,7 +37,7 @@ def test_the_installed_package_carries_the_native_relay() -> None:
 
 def test_without_the_extension_auto_falls_back_and_native_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(pipe, "_native", None)
-    monkeypatch.setattr(pipe, "NATIVE_ERROR", "No module named 'extractedprism._relay'")
+    monkeypatch.setattr(pipe, "NATIVE_ERROR", "No module named 'extractedprism.datapath._relay'")
     assert pipe.resolve_relay("auto") == "python"
     with pytest.raises(pipe.RelayUnavailable, match="cannot be loaded: No module named"):
         pipe.resolve_relay("native")
@@ -46,11 +46,13 @@ def test_without_the_extension_auto_falls_back_and_native_is_refused(monkeypatch
 def _copy_without_extension(tmp_path: Path) -> Path:
     dst = tmp_path / "extractedprism"
     dst.mkdir()
-    for src in (ROOT / "extractedprism").glob("*.py"):
-        shutil.copy(src, dst / src.name)
+    shutil.rmtree(dst)
+    shutil.copytree(ROOT / "extractedprism", dst,
+                    ignore=shutil.ignore_patterns("*.so", "*.c", "__pycache__"))
     # As if built without a compiler: the import fails. (Leaving the module out is not
     # enough here: the editable install's finder would still find the built one.)
-    (dst / "_relay.py").write_text('raise ImportError("built without a C compiler")\n')
+    (dst / "datapath" / "_relay.py").write_text(
+        'raise ImportError("built without a C compiler")\n')
     return tmp_path
 
 
@@ -116,17 +118,16 @@ def test_wheel_builds_with_and_without_a_working_compiler(tmp_path: Path, cc: st
         pytest.skip("no C compiler")
     # A clean copy of the sources: the repo's build/ and in-place module must not count.
     src = tmp_path / "src"
-    (src / "extractedprism").mkdir(parents=True)
+    src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for f in (ROOT / "extractedprism").iterdir():
-        if f.suffix in (".py", ".c"):
-            shutil.copy(f, src / "extractedprism" / f.name)
+    shutil.copytree(ROOT / "extractedprism", src / "extractedprism",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     res = subprocess.run([PYTHON, "-m", "pip", "wheel", "-q", "--no-deps",
                           "--no-build-isolation", str(src), "-w", str(tmp_path)],
                          capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    has_ext = any(n.startswith("extractedprism/_relay") and n.endswith(".so") for n in names)
+    has_ext = any(n.startswith("extractedprism/datapath/_relay") and n.endswith(".so") for n in names)
     assert has_ext == (cc is None), names

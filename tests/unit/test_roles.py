@@ -3,11 +3,11 @@ the FALLBACK lifecycle of the upstream state machine (pure)."""
 
 from __future__ import annotations
 
-from extractedprism import upstream as sm
-from extractedprism.endpoints import Endpoint, parse_endpoint
-from extractedprism.merge import Merger, Roles
-from extractedprism.metrics import Metrics
-from extractedprism.selection import Candidate, choose
+from extractedprism.config.endpoints import Endpoint, parse_endpoint
+from extractedprism.discovery.merge import Merger, Roles
+from extractedprism.health.metrics import Metrics
+from extractedprism.upstreams import state as sm
+from extractedprism.upstreams.selection import Candidate, choose
 from tests.util import FixedRandom
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extractedprism.selection import MODES, Candidate, choose
+from extractedprism.upstreams.selection import MODES, Candidate, choose
 
 
 def c(address: str, *, healthy: bool = True, draining: bool = False, ready: bool = True,

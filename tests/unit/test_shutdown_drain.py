@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extractedprism.shutdown_drain import close_offsets, spread_close
+from extractedprism.datapath.shutdown_drain import close_offsets, spread_close
 from tests.process.lifecycle import max_in_any_window
 
 

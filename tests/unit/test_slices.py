@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extractedprism.endpoints import Endpoint
-from extractedprism.slices import endpoints_from_slice, endpoints_from_slices, parse_slice
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.discovery.slices import endpoints_from_slice, endpoints_from_slices, parse_slice
 from tests.fakes.fake_apiserver import make_slice as fake_make_slice
 
 pytestmark = pytest.mark.timeout(30)
@@ -90,7 +90,7 @@ BAD: list[tuple[str, Any]] = [
 @pytest.mark.parametrize("case,obj", BAD, ids=[c for c, _ in BAD])
 def test_malformed_skipped_with_log_naming_slice(case: str, obj: Any,
                                                  caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="extractedprism.slices")
+    caplog.set_level(logging.DEBUG, logger="extractedprism.discovery.slices")
     assert endpoints_from_slice(obj) == []
     assert caplog.records, f"{case}: expected a log line"
     if isinstance(obj, dict):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from extractedprism import statefile
-from extractedprism.endpoints import Endpoint
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.discovery import statefile
 from tests.util import wait_until
 
 EPS = [Endpoint("10.0.0.1", 6443), Endpoint("cp2.example.com", 6443), Endpoint("fd00::1", 6443)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 
-from extractedprism.status import age, render
+from extractedprism.ops.status import age, render
 
 NOW = datetime.datetime(2026, 12, 1, 18, 30, 0, tzinfo=datetime.UTC)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from extractedprism.threaddump import grouped_dump
+from extractedprism.logs.threaddump import grouped_dump
 from tests.util import wait_until
 
 

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from extractedprism import upstream as sm
-from extractedprism.upstream import (
+from extractedprism.upstreams import state as sm
+from extractedprism.upstreams.state import (
     Lifecycle,
     ProbeResult,
     Readiness,

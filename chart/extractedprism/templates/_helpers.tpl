@@ -198,7 +198,7 @@ reached at the loopback address; a wildcard listener is reached there too.
 
 {{/*
 flag name -> values key; the single list behind the EP_ variables. Keep it in the order and
-spelling of extractedprism/config.py FLAGS (tests/deploy/test_chart.py checks that).
+spelling of extractedprism/config/table.py FLAGS (tests/deploy/test_chart.py checks that).
 */}}
 {{- define "extractedprism.flags" -}}
 bind-address: bindAddress

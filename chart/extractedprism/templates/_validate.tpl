@@ -2,7 +2,7 @@
 Render-time checks: every rule the program applies across fields (and the per-field rules
 the schema cannot express), with the program's own messages, so a values file the program
 would reject fails `helm template` / `helm install` instead of crash-looping every node.
-The messages are the ones extractedprism/config.py validate() prints: tests/deploy renders
+The messages are the ones extractedprism/config/table.py validate() prints: tests/deploy renders
 the chart without this file, feeds the resulting EP_ variables to validate() and compares.
 Like the program, all problems are reported at once.
 */}}

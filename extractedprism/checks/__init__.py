@@ -1,0 +1,2 @@
+"""Health checks: tcp and readyz probes, and the ticker thread that schedules them.
+"""

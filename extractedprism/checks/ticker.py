@@ -1,0 +1,124 @@
+"""Ticker: the health-check schedule and the registry's deadlines, on the ``ticker`` thread.
+
+Each known, non-draining upstream is probed every --health-interval; a new upstream is
+probed at once. Probes run on their own short-lived ``probe-<upstream>`` threads, so a
+slow or silent upstream delays nobody else's check by more than its own timeout, and
+the ticker itself never blocks on a socket. Drain and readiness deadlines are expired
+by :meth:`Registry.tick`, so the ticker wakes at whichever comes first: the next due
+probe, the next deadline, an explicit :meth:`wake`, or the liveness interval (so the
+heartbeat can see that this loop still turns).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from extractedprism.checks.probes import ProbeResult, ReadyzSettings, probe
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.threads import join_until
+from extractedprism.upstreams.registry import Change, Registry
+
+log = logging.getLogger(__name__)
+
+
+class Ticker:
+    def __init__(self, registry: Registry, *, interval: float, timeout: float,
+                 readyz: ReadyzSettings | None, stop: threading.Event,
+                 max_wait: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 prober: Callable[[Endpoint, float, ReadyzSettings | None], ProbeResult] = probe
+                 ) -> None:
+        self._registry = registry
+        self._interval = interval
+        self._timeout = timeout
+        self._readyz = readyz
+        self._stop = stop
+        self._max_wait = max_wait
+        self._clock = clock
+        self._prober = prober
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._in_flight: dict[str, threading.Thread] = {}
+        self._thread: threading.Thread | None = None
+        self.last_loop = clock()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(name="ticker", target=self._loop, daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def registry_changed(self, change: Change) -> None:
+        """The registry's change listener: new upstreams, a health flip, a probe due now."""
+        if change.what == "probe-now":
+            self.probe_now(change.address)
+        else:
+            self.wake()
+
+    def probe_now(self, address: str) -> None:
+        """Schedule an immediate probe of ``address`` (readiness reset after a dial)."""
+        with self._lock:
+            self._next[address] = 0.0
+        self._wake.set()
+
+    def join(self, timeout: float) -> bool:
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            probes = list(self._in_flight.values())
+        # A probe can sit in getaddrinfo far beyond any timeout of ours.
+        return join_until([self._thread, *probes], deadline)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.last_loop = now = self._clock()
+            next_deadline = self._registry.tick()
+            next_probe = self._schedule(now)
+            wake_at = min(x for x in (next_deadline, next_probe, now + self._max_wait)
+                          if x is not None)
+            self._wake.wait(max(0.0, wake_at - self._clock()))
+            self._wake.clear()
+        log.debug("ticker stopped")
+
+    def _schedule(self, now: float) -> float | None:
+        targets = {str(ep): ep for ep in self._registry.probe_targets()}
+        due: list[Endpoint] = []
+        with self._lock:
+            for addr in list(self._next):
+                if addr not in targets:
+                    del self._next[addr]
+            for addr, ep in targets.items():
+                at = self._next.setdefault(addr, now)
+                if at <= now and addr not in self._in_flight:
+                    due.append(ep)
+                    self._next[addr] = now + self._interval
+            for ep in due:
+                t = threading.Thread(name=f"probe-{ep}", target=self._probe_one, args=(ep,),
+                                     daemon=True)
+                self._in_flight[str(ep)] = t
+            pending = [at for a, at in self._next.items() if a not in self._in_flight]
+        for ep in due:
+            self._in_flight[str(ep)].start()
+        return min(pending) if pending else None
+
+    def _probe_one(self, ep: Endpoint) -> None:
+        addr = str(ep)
+        try:
+            result = self._prober(ep, self._timeout, self._readyz)
+            if not self._stop.is_set():
+                self._registry.record_probe(addr, result)
+        except Exception:
+            log.exception("probe crashed upstream=%s", addr)
+        finally:
+            with self._lock:
+                self._in_flight.pop(addr, None)
+            self._wake.set()

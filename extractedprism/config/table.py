@@ -1,0 +1,417 @@
+"""Configuration: one declarative flag table -> configargparse -> validate() -> Config (pure).
+
+Every flag is one :class:`~extractedprism.config.flags.Flag` row: name (and from it the option
+and the EP_ env var), kind (which converter turns the string into a value), default,
+help, and the checks that value must pass. Rules that tie two or more flags together are rows of
+:data:`RULES`. :func:`validate` only walks the two tables, so a flag added as a row is
+converted, checked, shown in ``--help`` and bound to its env var by construction, and
+nothing can skip validation. Every problem is reported at once, each naming the flag
+and the offending value.
+
+Adding a flag: one ``Flag(...)`` row in :data:`FLAGS` (with its ``checks``), one field
+of :class:`Config` with the same default, and, if it depends on another flag, a
+``Rule(...)`` row in :data:`RULES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.config.flags import (
+    AT_LEAST_1,
+    AT_LEAST_1S,
+    HOST,
+    KINDS,
+    NOT_EMPTY,
+    NOT_NEGATIVE,
+    PORT,
+    Check,
+    Flag,
+    Rule,
+    format_duration,
+    parse_bool,
+    parse_duration,
+    show_value,
+)
+from extractedprism.datapath.sched import gil_cpu_valid
+from extractedprism.upstreams.selection import MODES as SELECTION_MODES  # selection owns its modes
+
+__all__ = [
+    "AT_LEAST_1",
+    "AT_LEAST_1S",
+    "FLAGS",
+    "FLAG_BY_NAME",
+    "HEALTH_CHECKS",
+    "HOST",
+    "KINDS",
+    "LOG_LEVELS",
+    "NOT_EMPTY",
+    "NOT_NEGATIVE",
+    "PIPE_SCHED_POLICIES",
+    "PORT",
+    "RULES",
+    "SELECTION_MODES",
+    "STATIC_ENDPOINT_MODES",
+    "Check",
+    "Config",
+    "ConfigError",
+    "Flag",
+    "Rule",
+    "format_duration",
+    "parse_bool",
+    "parse_duration",
+    "validate",
+]
+
+LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
+LOG_FORMATS = ("logfmt", "json")
+HEALTH_CHECKS = ("tcp", "readyz")
+PIPE_SCHED_POLICIES = ("batch", "normal")
+RELAYS = ("auto", "native", "python")
+STATIC_ENDPOINT_MODES = ("always", "fallback")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; ``problems`` lists every message."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = list(problems)
+
+
+# --- the flag table ----------------------------------------------------------
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("bind-address", "str", "127.0.0.1", "Address for the TCP load balancer listener",
+         checks=(HOST,)),
+    Flag("bind-port", "int", "7445", "Port for the TCP load balancer listener",
+         checks=(PORT,)),
+    Flag("health-port", "int", "7446", "Port for the health check HTTP server",
+         checks=(PORT,)),
+    Flag(
+        "health-bind-address",
+        "str",
+        None,
+        "Address for the health check HTTP server (default: same as --bind-address)",
+        checks=(HOST,),
+        same_as="bind-address",
+    ),
+    Flag("endpoints", "endpoints", None, "Comma-separated API server endpoints (host:port)",
+         checks=(NOT_EMPTY,),
+         required="--endpoints is required: give a comma-separated list of API server "
+         "host:port pairs"),
+    Flag("health-interval", "duration", "20s", "Interval between upstream health checks",
+         checks=(AT_LEAST_1S,)),
+    Flag("health-timeout", "duration", "15s", "Timeout for each upstream health check",
+         checks=(AT_LEAST_1S,)),
+    Flag("enable-discovery", "bool", "true", "Enable Kubernetes EndpointSlice discovery"),
+    Flag("log-level", "choice", "info", "Log level", LOG_LEVELS),
+    Flag("liveness-interval", "duration", "5s", "Heartbeat probe interval for liveness detection",
+         checks=(AT_LEAST_1S,)),
+    Flag(
+        "liveness-threshold",
+        "duration",
+        "15s",
+        "Maximum time since last heartbeat before liveness fails",
+        checks=(AT_LEAST_1S,),
+    ),
+    Flag(
+        "drain-timeout",
+        "duration",
+        "30s",
+        "Grace period for connections to removed endpoints, and with readyz to unready ones "
+        "while another upstream is ready, before force close (0 closes immediately)",
+        checks=(NOT_NEGATIVE,),
+    ),
+    Flag(
+        "upstream-selection",
+        "choice",
+        "random",
+        "How new connections pick an upstream: random (uniform among pickable upstreams), "
+        "latency (prefer the lowest-latency tier) or least-conn (fewest active connections)",
+        SELECTION_MODES,
+    ),
+    Flag(
+        "health-check",
+        "choice",
+        "tcp",
+        "Upstream health check: tcp (connect only) or readyz (connect, then prefer upstreams "
+        "answering 200 on GET /readyz)",
+        HEALTH_CHECKS,
+    ),
+    Flag(
+        "health-check-ca-file",
+        "path",
+        "",
+        "CA bundle that verifies the upstream serving certificates; required with readyz",
+    ),
+    Flag("health-check-cert-file", "path", "", "Client certificate for the readyz probe"),
+    Flag(
+        "health-check-key-file",
+        "path",
+        "",
+        "Client key for the readyz probe; may be the same file as the certificate",
+    ),
+    Flag("health-check-token-file", "path", "", "Bearer token for the readyz probe"),
+    Flag(
+        "health-check-server-name",
+        "str",
+        "kubernetes.default.svc",
+        "Name the upstream serving certificates are verified against",
+        checks=(NOT_EMPTY,),
+    ),
+    Flag(
+        "kubeconfig",
+        "path",
+        "",
+        "Kubeconfig for EndpointSlice discovery outside a cluster (default: in-cluster config)",
+    ),
+    Flag(
+        "max-connections",
+        "int",
+        "4096",
+        "Maximum concurrent proxied connections; at the limit new clients wait in the backlog",
+        checks=(AT_LEAST_1,),
+    ),
+    Flag(
+        "pipe-sched",
+        "choice",
+        "batch",
+        "Linux scheduling policy of the acceptor and pipe threads: batch (SCHED_BATCH, nice "
+        "unchanged: a woken pipe thread does not preempt the one holding the GIL, which "
+        "saves most context switches) or normal (SCHED_OTHER)",
+        PIPE_SCHED_POLICIES,
+    ),
+    Flag(
+        "gil-cpu",
+        "str",
+        "auto",
+        "CPU for the threads that run Python (acceptor and pipe threads), so the GIL never "
+        "crosses CPUs on a hand-off; a connection that keeps moving bytes is let out to every "
+        "CPU after a few relay wake-ups. auto: the highest CPU this process may use, when it "
+        "may use two or more; off: no pinning; or a CPU number",
+        checks=(Check(gil_cpu_valid, "must be auto, off, or a CPU this process may run on"),),
+    ),
+    Flag(
+        "relay",
+        "choice",
+        "auto",
+        "How connections copy bytes: native (the C extension: one blocking splice loop per "
+        "connection with the GIL released), python (the pure-Python poll loop) or auto "
+        "(native when the extension loads, else python); native exits 2 when it cannot load",
+        RELAYS,
+    ),
+    Flag(
+        "dial-hedge-delay",
+        "duration",
+        "250ms",
+        "When a dial to an upstream has not connected within this delay, dial a second "
+        "pickable upstream too and keep the first to connect (the slower dial still runs to "
+        "its end and counts); 0 turns hedging off",
+        checks=(NOT_NEGATIVE,),
+    ),
+    Flag(
+        "handover-socket",
+        "path",
+        "",
+        "Unix socket for upgrades without a gap: a running instance offers its listening "
+        "sockets there, and an instance that starts while one runs takes them over "
+        "(empty: off)",
+    ),
+    Flag(
+        "shutdown-drain-timeout",
+        "duration",
+        "0s",
+        "On SIGTERM, stop accepting but keep existing connections, closing them spread "
+        "evenly over this window before the shutdown (0: close them at once)",
+        checks=(NOT_NEGATIVE,),
+    ),
+    Flag(
+        "state-file",
+        "path",
+        "",
+        "File that keeps the endpoints discovery last found, read at start as the 'cache' "
+        "provider until discovery produces its first list (empty: off)",
+    ),
+    Flag(
+        "static-endpoints",
+        "choice",
+        "always",
+        "always: --endpoints are always upstreams; fallback: once discovery has produced a "
+        "list, static endpoints it lacks are kept only as a last resort (panic mode)",
+        STATIC_ENDPOINT_MODES,
+    ),
+    Flag(
+        "log-format",
+        "choice",
+        "logfmt",
+        "Log line format on stderr: logfmt (key=value, one record per line) or json (one "
+        "object per line)",
+        LOG_FORMATS,
+    ),
+    Flag(
+        "admin-socket",
+        "path",
+        "",
+        "Unix socket for runtime control (`extractedprism admin`: drain, undrain, close, "
+        "list), created with mode 0600 so only this user and root can use it; never a TCP "
+        "port (empty: off)",
+    ),
+)
+
+FLAG_BY_NAME = {f.name: f for f in FLAGS}
+
+
+# --- cross-field rules -----------------------------------------------------------
+
+
+def _ports_differ(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    if v["bind_port"] != v["health_port"]:
+        return None
+    return f"{show('bind_port')} and {show('health_port')} must differ"
+
+
+def _timeout_below_interval(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    if v["health_timeout"] < v["health_interval"]:
+        return None
+    return f"{show('health_timeout')} must be less than {show('health_interval')}"
+
+
+def _threshold_above_interval(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    if v["liveness_threshold"] > v["liveness_interval"]:
+        return None
+    return f"{show('liveness_threshold')} must be greater than {show('liveness_interval')}"
+
+
+def _readyz_needs_ca(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    if v["health_check"] != "readyz" or v["health_check_ca_file"]:
+        return None
+    return "--health-check=readyz requires --health-check-ca-file"
+
+
+def _cert_and_key(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    cert, key = v["health_check_cert_file"], v["health_check_key_file"]
+    if bool(cert) == bool(key):
+        return None
+    given, missing = ("--health-check-cert-file", "--health-check-key-file")
+    if not cert:
+        given, missing = missing, given
+    return ("--health-check-cert-file and --health-check-key-file must be set together "
+            f"({given} is set, {missing} is not)")
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("bind_port", "health_port"), "--bind-port and --health-port must differ",
+         _ports_differ),
+    Rule(("health_timeout", "health_interval"),
+         "--health-timeout must be less than --health-interval", _timeout_below_interval),
+    Rule(("liveness_threshold", "liveness_interval"),
+         "--liveness-threshold must be greater than --liveness-interval",
+         _threshold_above_interval),
+    Rule(("health_check", "health_check_ca_file"), "readyz requires --health-check-ca-file",
+         _readyz_needs_ca),
+    Rule(("health_check_cert_file", "health_check_key_file"),
+         "--health-check-cert-file and --health-check-key-file must be set together",
+         _cert_and_key),
+)
+
+
+# --- the validated configuration ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated, immutable configuration. Durations are float seconds."""
+
+    endpoints: tuple[Endpoint, ...]
+    bind_address: str = "127.0.0.1"
+    bind_port: int = 7445
+    health_port: int = 7446
+    health_bind_address: str = "127.0.0.1"
+    health_interval: float = 20.0
+    health_timeout: float = 15.0
+    enable_discovery: bool = True
+    log_level: str = "info"
+    liveness_interval: float = 5.0
+    liveness_threshold: float = 15.0
+    drain_timeout: float = 30.0
+    upstream_selection: str = "random"
+    health_check: str = "tcp"
+    health_check_ca_file: str = ""
+    health_check_cert_file: str = ""
+    health_check_key_file: str = ""
+    health_check_token_file: str = ""
+    health_check_server_name: str = "kubernetes.default.svc"
+    kubeconfig: str = ""
+    max_connections: int = 4096
+    pipe_sched: str = "batch"
+    gil_cpu: str = "auto"
+    relay: str = "auto"
+    dial_hedge_delay: float = 0.25
+    handover_socket: str = ""
+    shutdown_drain_timeout: float = 0.0
+    state_file: str = ""
+    static_endpoints: str = "always"
+    log_format: str = "logfmt"
+    admin_socket: str = ""
+
+    def replace(self, **changes: object) -> Config:
+        """A copy with some fields changed (tests and tools; no re-validation)."""
+        return dataclasses.replace(self, **changes)
+
+
+def validate(values: Mapping[str, str | None]) -> Config:
+    """Convert and check raw flag strings (keyed by dest); raise ConfigError with all problems.
+
+    A flag whose value does not convert yields one message and is left out of every
+    rule, so one bad value never cascades into several messages.
+    """
+    problems: list[str] = []
+    out: dict[str, object] = {}
+    raw: dict[str, str] = {}
+    derived: list[Flag] = []
+
+    for flag in FLAGS:
+        value = values.get(flag.dest)
+        if value is None or (not value.strip() and (flag.same_as or flag.required)):
+            if flag.same_as:
+                derived.append(flag)
+                continue
+            if flag.required:
+                problems.append(flag.required)
+                continue
+            value = flag.default
+        if value is None:
+            continue
+        raw[flag.dest] = value
+        try:
+            converted = KINDS[flag.kind](flag, value)
+        except ValueError as exc:
+            problems.append(f"{show_value(flag, value)} is invalid: {exc}")
+            continue
+        out[flag.dest] = converted
+        problems.extend(f"{show_value(flag, value)} {c.text}" for c in flag.checks
+                        if not c.ok(converted))
+
+    for flag in derived:
+        source = FLAG_BY_NAME[flag.same_as].dest
+        if source in out:  # a bad source was reported once, under its own name
+            out[flag.dest], raw[flag.dest] = out[source], raw[source]
+
+    def show(dest: str) -> str:
+        return show_value(FLAG_BY_NAME[dest.replace("_", "-")], raw[dest])
+
+    for rule in RULES:
+        if all(f in out for f in rule.fields):
+            problem = rule.message(out, show)
+            if problem:
+                problems.append(problem)
+
+    if problems:
+        raise ConfigError(problems)
+    return Config(**out)  # type: ignore[arg-type]

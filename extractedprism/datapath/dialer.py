@@ -1,0 +1,465 @@
+"""Dialer: pick -> dial for one client connection, run by its pipe thread; hedged dials.
+
+# design
+A connection tries pickable upstreams one at a time, each at most once, until one
+answers; each failed dial counts toward that upstream's streak (spec). With nothing
+pickable it enters panic mode: every known upstream, most recently successful first,
+within one dial timeout overall, uncounted.
+
+Hedged dials (``--dial-hedge-delay``, beyond the spec; 0 turns them off): when a dial has
+not completed within the hedge delay, a second one starts to another pickable upstream
+and the first to connect carries the connection, so a black-holed API server (SYNs
+unanswered) costs a client the hedge delay instead of the dial timeout. Never more than
+two dials are in flight per client connection. The losing dial is not abandoned: the
+reaper thread (``dial-reaper``) lets it run on within its dial timeout and records its
+outcome like any dial (connected: closed at once, a success; failed: toward the streak),
+so a black-holed upstream is excluded by the dials it swallows.
+
+Both dials of one connection are non-blocking connects the pipe thread waits on in one
+``poll``; the reaper waits on every losing dial in one ``poll`` too, so hedging costs no
+thread per dial.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import threading
+import time
+
+from extractedprism.datapath.sockopts import (
+    addresses,
+    begin_connect,
+    describe_error,
+    dial,
+    native_connect,
+    native_target,
+    wait_connected,
+)
+from extractedprism.logs import connlog
+from extractedprism.upstreams.registry import Registry
+from extractedprism.upstreams.reservation import Reservation
+
+log = logging.getLogger(__name__)
+
+FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# Failures that repeat once per client during an outage: first line, then summaries.
+_dial_failed = connlog.RateLimited(log, logging.INFO, "dial failed")
+_POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
+REAPER_IDLE_S = 2.0  # the reaper thread exits after this long with no losing dial
+
+
+class _Dial:
+    """One dial in flight: its reservation, its socket, the addresses still to try."""
+
+    __slots__ = ("addrs", "deadline", "res", "sock", "timeout")
+
+    def __init__(self, res: Reservation, deadline: float, timeout: float) -> None:
+        self.res = res
+        self.deadline = deadline
+        self.timeout = timeout
+        self.sock: socket.socket | None = None
+        self.addrs: list[tuple[int, tuple]] = []  # type: ignore[type-arg]
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - (self.deadline - self.timeout)
+
+
+class Dialer:
+    """Connects a client connection to an upstream (see the module docstring)."""
+
+    def __init__(self, registry: Registry, *, dial_timeout: float, hedge_delay: float,
+                 stopping: threading.Event, native: bool = False) -> None:
+        self._registry = registry
+        self._native = native  # the native relay's GIL-holding connect
+        self._timeout = dial_timeout
+        # A hedge that could only start after the dial gave up would never run.
+        self._hedge = hedge_delay if 0 < hedge_delay < dial_timeout else 0.0
+        self._stopping = stopping
+        self._reaper = _Reaper(self)
+
+    def shutdown(self) -> None:
+        self._reaper.stop()
+
+    # -- outcomes (the one place a dial's result is recorded) --------------------------
+
+    def record(self, addr: str, exc: OSError | None, *, panic: bool = False,
+               carries: Reservation | None = None, duration: float | None = None) -> None:
+        """``carries``: the reservation of the dial that carries the connection; its
+        success is recorded by Registry.attach, in the same lock round trip."""
+        if exc is None:
+            if carries is not None:
+                carries.dial_seconds = duration
+            else:
+                self._registry.record_dial(addr, True, duration=duration)
+            return
+        reason = describe_error(exc)
+        if exc.errno in FD_ERRNOS:
+            # Out of descriptors here is not the upstream's fault: no streak, no count.
+            log.warning("dial failed locally upstream=%s reason=%r", addr, reason)
+            return
+        # The spec counts no errors "when no upstream was available": panic-mode
+        # attempts are exactly that case, and shutdown failures are not counted.
+        self._registry.record_dial(addr, False, reason,
+                                   count_error=not (self._stopping.is_set() or panic),
+                                   duration=duration)
+        _dial_failed(addr, upstream=addr, reason=reason)
+
+    def failed(self, addr: str, reason: str) -> None:
+        """A dial that connected but failed a later check (a silent upstream)."""
+        self._registry.record_dial(addr, False, reason, count_error=not self._stopping.is_set())
+        _dial_failed(addr, upstream=addr, reason=reason)
+
+    # -- the pipe thread ------------------------------------------------------------------
+
+    def connect(self, tried: set[str], take_first_from: int = -1
+                ) -> tuple[socket.socket | None, Reservation | None]:
+        """Pick and dial until one upstream answers; ``tried`` collects every upstream
+        tried. The reservation returned with the socket is still held: the caller
+        attaches or releases it. (None, None): nothing answered, panic mode included.
+        ``take_first_from``: the client's fd, whose first bytes a first dial that connects
+        at once sends on itself (Reservation.first)."""
+        dials: list[_Dial] = []
+        if self._native:
+            won = self._fast(tried, dials, take_first_from)
+            if won is not None:
+                return won
+        if not self._hedge:
+            assert not dials
+            return self._connect_serial(tried)
+        try:
+            return self._connect_hedged(tried, dials)
+        finally:
+            for d in dials:  # an exception: nothing left counted or open
+                d.close()
+                d.res.release()
+
+    def _fast(self, tried: set[str], dials: list[_Dial], take_first_from: int
+              ) -> tuple[socket.socket, Reservation] | None:
+        """The common case in the least Python, since it is on every new connection's
+        way to its upstream: a numeric endpoint whose connect completes at once
+        (loopback, a near host), one extension call. Else None: a connect in progress
+        is left in ``dials`` (hedging on) or finished here (hedging off), a failure is
+        recorded, and the general path goes on from there."""
+        res = self._registry.reserve(exclude=tried)
+        if res is None:
+            return None  # the general path finds nothing either: panic mode
+        target = native_target(res.endpoint)
+        if target is None:
+            res.release()  # a hostname: the general path resolves it
+            return None
+        tried.add(res.address)
+        started = time.monotonic()
+        fd, err, first, sent = native_connect(target, take_first_from)
+        if err == 0:
+            res.dial_seconds = time.monotonic() - started
+            res.first, res.sent = first, sent
+            return socket.socket(target[0], socket.SOCK_STREAM, 0, fd), res
+        if fd < 0:  # refused at once, say: counted, and the general path tries the next
+            self.record(res.address, OSError(err, os.strerror(err)),
+                        duration=time.monotonic() - started)
+            res.release()
+            return None
+        sock = socket.socket(target[0], socket.SOCK_STREAM, 0, fd)
+        if self._hedge:
+            d = _Dial(res, started + self._timeout, self._timeout)
+            d.sock = sock
+            dials.append(d)
+            return None
+        try:  # hedging off: wait for it here, within the dial timeout
+            wait_connected(sock, started + self._timeout - time.monotonic())
+        except OSError as exc:
+            sock.close()
+            self.record(res.address, exc, duration=time.monotonic() - started)
+            res.release()
+            return None
+        except BaseException:
+            sock.close()
+            res.release()
+            raise
+        self.record(res.address, None, carries=res, duration=time.monotonic() - started)
+        return sock, res
+
+    def _connect_serial(self, tried: set[str]
+                        ) -> tuple[socket.socket | None, Reservation | None]:
+        while True:
+            res = self._registry.reserve(exclude=tried)
+            if res is None:
+                return self._panic_dial(tried)
+            tried.add(res.address)
+            sock = None
+            try:
+                sock = self._dial_blocking(res, self._timeout)
+            finally:
+                if sock is None:
+                    res.release()
+            if sock is not None:
+                return sock, res
+
+    def _dial_blocking(self, res: Reservation, timeout: float, *, panic: bool = False
+                       ) -> socket.socket | None:
+        started = time.monotonic()
+        try:
+            sock = dial(res.endpoint, timeout, self._native)
+        except OSError as exc:
+            self.record(res.address, exc, panic=panic, duration=time.monotonic() - started)
+            return None
+        self.record(res.address, None, carries=res, duration=time.monotonic() - started)
+        return sock
+
+    def _connect_hedged(self, tried: set[str], dials: list[_Dial]
+                        ) -> tuple[socket.socket | None, Reservation | None]:
+        hedge_at: float | None = None  # when the second dial may start
+        poller = select.poll()
+        for d in dials:  # one left in progress by _fast: it may get a hedge
+            assert d.sock is not None
+            poller.register(d.sock.fileno(), _POLLOUT)
+            hedge_at = d.deadline - self._timeout + self._hedge
+        while True:
+            now = time.monotonic()
+            if not dials or (hedge_at is not None and now >= hedge_at and len(dials) < 2):
+                res = self._registry.reserve(exclude=tried)
+                if res is None:
+                    if not dials:
+                        return self._panic_dial(tried)
+                    hedge_at = None  # nothing to hedge to: wait for the dial in flight
+                    continue
+                tried.add(res.address)
+                d = _Dial(res, now + self._timeout, self._timeout)
+                won = self._begin(d, poller)
+                if won:
+                    return self._won(d, dials, poller)
+                if d.sock is not None:
+                    dials.append(d)
+                else:
+                    res.release()  # failed at once (refused, say): counted in _begin
+                # A dial running alone past the delay gets a hedge (again, after a
+                # failure of the other one: still at most two in flight).
+                hedge_at = dials[0].deadline - self._timeout + self._hedge \
+                    if len(dials) == 1 else None
+                continue
+            wake = min(d.deadline for d in dials)
+            if hedge_at is not None:
+                wake = min(wake, hedge_at)
+            events = poller.poll(max(0, (wake - now) * 1000 + 1))
+            ready = {fd for fd, _ in events}
+            now = time.monotonic()
+            for d in list(dials):
+                assert d.sock is not None
+                if d.sock.fileno() in ready:
+                    err = d.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if not err:
+                        dials.remove(d)
+                        return self._won(d, dials, poller)
+                    self._failed_address(d, poller, OSError(err, os.strerror(err)))
+                elif now >= d.deadline:
+                    self._give_up(d, poller, TimeoutError(errno.ETIMEDOUT, "timed out"))
+                if d.sock is None:
+                    dials.remove(d)
+                    d.res.release()
+                    if len(dials) == 1:
+                        hedge_at = now  # the other one is slow already: hedge at once
+
+    def _begin(self, d: _Dial, poller: select.poll) -> bool:
+        """Start connecting ``d`` (resolving a hostname first); True if it connected at
+        once. On a failure of every address, d.sock stays None and the failure is
+        recorded."""
+        try:
+            d.addrs = addresses(d.res.endpoint)
+        except OSError as exc:
+            self.record(d.res.address, exc, duration=d.elapsed())
+            return False
+        return self._next_address(d, poller, None)
+
+    def _next_address(self, d: _Dial, poller: select.poll, last: OSError | None) -> bool:
+        while d.addrs:
+            family, sockaddr = d.addrs.pop(0)
+            try:
+                sock, err = begin_connect(family, sockaddr, self._native)
+            except OSError as exc:
+                last = exc
+                continue
+            if sock is None:
+                last = OSError(err, os.strerror(err))
+                continue
+            if err == 0:
+                d.sock = sock
+                return True
+            if err in (errno.EINPROGRESS, errno.EAGAIN):
+                d.sock = sock
+                poller.register(sock.fileno(), _POLLOUT)
+                return False
+            sock.close()
+            last = OSError(err, os.strerror(err))
+        self.record(d.res.address, last or OSError(f"no address for {d.res.endpoint}"),
+                    duration=d.elapsed())
+        return False
+
+    def _failed_address(self, d: _Dial, poller: select.poll, exc: OSError) -> None:
+        """This address refused or failed: the next one of the same upstream, if any."""
+        assert d.sock is not None
+        poller.unregister(d.sock.fileno())
+        d.close()
+        if self._next_address(d, poller, exc):
+            # Connected at once on the next address: let the poll report it.
+            assert d.sock is not None
+            poller.register(d.sock.fileno(), _POLLOUT)
+
+    def _give_up(self, d: _Dial, poller: select.poll, exc: OSError) -> None:
+        assert d.sock is not None
+        poller.unregister(d.sock.fileno())
+        d.close()
+        self.record(d.res.address, exc, duration=d.elapsed())
+
+    def _won(self, d: _Dial, losers: list[_Dial], poller: select.poll
+             ) -> tuple[socket.socket, Reservation]:
+        assert d.sock is not None
+        self.record(d.res.address, None, carries=d.res, duration=d.elapsed())
+        for other in losers:
+            assert other.sock is not None
+            poller.unregister(other.sock.fileno())
+            self._reaper.adopt(other)
+        losers.clear()
+        return d.sock, d.res
+
+    def _panic_dial(self, tried: set[str]) -> tuple[socket.socket | None, Reservation | None]:
+        """Nothing pickable: try every known upstream within one dial timeout overall."""
+        deadline = time.monotonic() + self._timeout
+        for ep in self._registry.panic_order(exclude=tried):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._stopping.is_set():
+                break
+            res = self._registry.reserve_endpoint(ep)
+            if res is None:
+                continue  # removed meanwhile
+            tried.add(res.address)
+            sock = None
+            try:
+                sock = self._dial_blocking(res, remaining, panic=True)
+            finally:
+                if sock is None:
+                    res.release()
+            if sock is not None:
+                return sock, res
+        return None, None
+
+
+class _Reaper:
+    """The losing dials of hedged connects, run to their end on one thread."""
+
+    def __init__(self, dialer: Dialer) -> None:
+        self._dialer = dialer
+        self._lock = threading.Lock()
+        self._new: list[_Dial] = []
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = -1, -1
+        self._stopped = False
+
+    def adopt(self, d: _Dial) -> None:
+        with self._lock:
+            if self._stopped:
+                d.close()
+                d.res.release()
+                return
+            if self._thread is None:
+                self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                self._thread = threading.Thread(name="dial-reaper", target=self._loop,
+                                                daemon=True)
+                self._thread.start()
+            self._new.append(d)
+            self._poke_locked()
+
+    def _poke_locked(self) -> None:
+        # Under the lock: the loop closes the pipe under it too, so this never writes
+        # to a closed (or reused) descriptor.
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # full: the loop wakes anyway
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            t = self._thread
+            self._poke_locked()
+        if t is not None:
+            t.join(5)
+
+    def _loop(self) -> None:
+        with self._lock:
+            wake_r, wake_w = self._wake_r, self._wake_w  # this thread's; closed at its end
+        poller = select.poll()
+        poller.register(wake_r, select.POLLIN)
+        dials: dict[int, _Dial] = {}
+        try:
+            while True:
+                with self._lock:
+                    stopped = self._stopped
+                    new, self._new = self._new, []
+                for d in new:
+                    assert d.sock is not None
+                    dials[d.sock.fileno()] = d
+                    poller.register(d.sock.fileno(), _POLLOUT)
+                if stopped:
+                    return
+                now = time.monotonic()
+                wake = min((d.deadline for d in dials.values()), default=now + REAPER_IDLE_S)
+                events = poller.poll(max(0, (wake - now) * 1000 + 1))
+                for fd, _ in events:
+                    if fd == wake_r:
+                        try:
+                            os.read(wake_r, 512)
+                        except BlockingIOError:
+                            pass
+                        continue
+                    d = dials.pop(fd)
+                    poller.unregister(fd)
+                    err = d.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if d.sock else 0
+                    self._done(d, OSError(err, os.strerror(err)) if err else None)
+                now = time.monotonic()
+                for fd, d in list(dials.items()):
+                    if now >= d.deadline:
+                        del dials[fd]
+                        poller.unregister(fd)
+                        self._done(d, TimeoutError(errno.ETIMEDOUT, "timed out"))
+                if not dials and not events:
+                    # Idle: the thread (and its wake pipe) goes, so a proxy at rest has
+                    # exactly the threads it started with; the next loser starts another.
+                    with self._lock:
+                        if not self._new:
+                            self._thread = None
+                            self._wake_r = self._wake_w = -1
+                            return
+        finally:
+            for d in dials.values():  # shutdown: not counted
+                d.close()
+                d.res.release()
+            with self._lock:
+                if self._stopped:
+                    for d in self._new:
+                        d.close()
+                        d.res.release()
+                    self._new = []
+                if self._wake_r == wake_r:
+                    self._wake_r = self._wake_w = -1
+                os.close(wake_r)
+                os.close(wake_w)
+
+    def _done(self, d: _Dial, exc: OSError | None) -> None:
+        # Connected: closed at once, and a success like any dial; failed: toward the
+        # streak. (A losing hostname dial tries no further addresses.)
+        d.close()
+        d.res.release()
+        try:
+            self._dialer.record(d.res.address, exc, duration=d.elapsed())
+        except Exception:  # recording must never end the reaper
+            log.exception("recording a losing dial failed upstream=%s", d.res.address)

@@ -1,0 +1,443 @@
+"""Proxy: the listener, the acceptor thread and the bounded pool of pipe threads.
+
+# design
+The acceptor thread owns the listening socket. It counts live connections against
+``--max-connections`` (one counter under the pool lock); at the limit it stops accepting, so
+new clients wait in the kernel backlog (HAProxy's maxconn) instead of piling up
+threads. Each accepted socket is handed straight to one parked pipe thread: the most recently
+parked one (LIFO), so hot threads with warm stacks and kernel pipes do the work, and
+threads beyond the pre-started ones stay cold and retire after a minute idle. The
+pool is pre-started with 64 threads (a node's usual clients need no thread start:
+one costs ~70 us and, under load, stalls the acceptor while the new thread waits
+for the GIL) and grows on demand up to the limit. Each pipe thread then does
+pick -> dial -> copy for its connection, so the acceptor never waits on an upstream.
+
+Dial failures never reach the client while another upstream is pickable: each failed
+dial counts toward that upstream's failure streak and the connection moves on, trying
+each upstream at most once. With nothing pickable (every upstream failed its checks)
+the connection enters panic mode and tries every known upstream, most recently
+successful first, within one --health-timeout, because health checks can be wrong
+during a local blip and a refused kubelet is worse than a slow one.
+
+EMFILE/ENFILE on accept back off (up to 1 s) instead of spinning, and recover as soon
+as descriptors free up.
+
+# modules
+The listening socket and its accept wake-up live in listener.py, the pipe-thread pool
+in pipepool.py, the silent-upstream check on the client's first bytes in firstbytes.py.
+The acceptor thread runs ``_accept_loop``; each pipe thread runs ``_serve`` for the
+connection it is handed (pipepool.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from extractedprism.datapath import sched
+from extractedprism.datapath.dialer import FD_ERRNOS, Dialer
+from extractedprism.datapath.firstbytes import FIRST_BYTES_MAX, first_answer
+from extractedprism.datapath.listener import (
+    ACCEPT_WAKE_S,
+    _format_addr,
+    _has_opts,
+    open_listener,
+    set_accept_wake,
+)
+from extractedprism.datapath.pipe import Pipe, native_first_answer, resolve_relay, take_first
+from extractedprism.datapath.pool import (
+    PIPE_IDLE_EXIT_S,
+    PIPE_IDLE_RELEASE_S,
+    PIPE_THREAD_STACK,
+    PRESTART_THREADS,
+    PipePool,
+    PoolView,
+    _Worker,
+)
+from extractedprism.datapath.sockopts import apply_sockopts
+from extractedprism.logs import connlog
+from extractedprism.upstreams.registry import Registry
+
+# Re-exported: the names other modules and tests import from here.
+__all__ = [
+    "ACCEPT_WAKE_S",
+    "FIRST_BYTES_MAX",
+    "PIPE_IDLE_EXIT_S",
+    "PIPE_IDLE_RELEASE_S",
+    "PIPE_THREAD_STACK",
+    "PRESTART_THREADS",
+    "PoolView",
+    "Proxy",
+    "_format_addr",
+    "_has_opts",
+    "open_listener",
+    "set_accept_wake",
+]
+
+log = logging.getLogger(__name__)
+
+_FD_ERRNOS = FD_ERRNOS
+# Failures that repeat once per client during an outage: first line, then summaries.
+_no_upstream = connlog.RateLimited(log, logging.INFO, "no upstream available; closing client")
+
+
+class Proxy(PipePool):
+    """Accepts clients on the listener and pipes each to an upstream from the registry."""
+
+    def __init__(self, registry: Registry, *, bind_address: str, bind_port: int,
+                 dial_timeout: float, max_connections: int, pipe_sched: str = "batch",
+                 gil_cpu: str = "off",
+                 relay: str = "auto", dial_hedge_delay: float = 0.0,
+                 on_accept_loop: Callable[[], None] | None = None) -> None:
+        self._registry = registry
+        self._bind = (bind_address, bind_port)
+        self._dial_timeout = dial_timeout
+        self._max = max_connections
+        self._sched = pipe_sched
+        # --gil-cpu: the CPU the acceptor and pipe threads are pinned to (sched.py), or None.
+        plan = sched.gil_cpu_plan(gil_cpu)
+        self.gil_cpu = plan[0] if plan is not None else None
+        # The byte copy every connection uses, "native" or "python", fixed at start (raises
+        # RelayUnavailable for relay="native" without the extension).
+        self.relay = resolve_relay(relay)
+        self._native_first = native_first_answer() if self.relay == "native" else None
+        # The native relay runs the silent-upstream check itself (Pipe.run_judged).
+        self._judge_in_relay = self.relay == "native"
+        self._pin = 0 if self.gil_cpu is None else self.gil_cpu + 1  # the native relay's
+        self._pool_lock = threading.Lock()
+        # Live connections (slots taken), under _pool_lock; the acceptor waits on
+        # _slot_freed only while saturated, so the common path is one C-level lock.
+        self._live = 0
+        self._peak_live = 0
+        self._peak_threads = 0
+        self._saturated = False
+        self._slot_freed = threading.Event()
+        # Whether accepted sockets still need the connection options set one by one
+        # (decided on the first accepted socket; see open_listener).
+        self._client_opts: bool | None = None
+        self._workers: list[_Worker] = []  # every pipe thread, under _pool_lock
+        self._parked: list[_Worker] = []  # idle ones, most recently parked last
+        self._stopping = threading.Event()
+        self._dialer = Dialer(registry, dial_timeout=dial_timeout,
+                              hedge_delay=dial_hedge_delay, stopping=self._stopping,
+                              native=self.relay == "native")
+        # The acceptor stops when _accept_stop is set: at shutdown, at the start of a
+        # shutdown drain (live connections keep being served), or when a successor
+        # accepts on the listener instead (_handed_over: the shared socket is then
+        # never shut down from here).
+        self._accept_stop = threading.Event()
+        self._handed_over = threading.Event()
+        self._shared = False
+        self._listener: socket.socket | None = None
+        self._address: tuple[str, int] | None = None
+        self._acceptor: threading.Thread | None = None
+        self._seq = 0
+        self._on_accept_loop = on_accept_loop
+        self._prestart = min(PRESTART_THREADS, max_connections)
+        self.idle_exit_s = PIPE_IDLE_EXIT_S
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def bind(self) -> None:
+        self._listener = open_listener(*self._bind)
+        self._address = self._listener.getsockname()[:2]
+
+    def adopt(self, listener: socket.socket) -> None:
+        """Accept on ``listener``, taken over from a predecessor, instead of binding."""
+        listener.setblocking(True)
+        set_accept_wake(listener)
+        self._listener = listener
+        self._address = listener.getsockname()[:2]
+
+    @property
+    def listener(self) -> socket.socket | None:
+        """The listening socket (to offer to a successor; never to accept on)."""
+        return self._listener
+
+    @property
+    def handed_over(self) -> bool:
+        return self._handed_over.is_set()
+
+    def share_listener(self) -> None:
+        """Another process may accept on the listener: close it, never shut it down."""
+        self._shared = True
+
+    def stop_accepting(self, timeout: float = 1.0) -> bool:
+        """A successor accepts on the shared listener now: stop accepting (within
+        ``ACCEPT_WAKE_S``) and close this process's copy of the listener once the
+        acceptor is out of accept(); live connections keep being served. True when the
+        acceptor stopped within ``timeout``."""
+        self._handed_over.set()
+        self._accept_stop.set()
+        if self._acceptor is not None:
+            self._acceptor.join(timeout)
+            if self._acceptor.is_alive():
+                log.warning("acceptor still in accept() after the handover; its copy of "
+                            "the listener stays open timeout=%gs", timeout)
+                return False
+        if self._listener is not None:
+            self._listener.close()
+        return True
+
+    @property
+    def address(self) -> tuple[str, int]:
+        # Kept from the bind: the listener may be closed (handed over, shut down).
+        assert self._address is not None
+        return self._address
+
+    def start(self) -> None:
+        if self._listener is None:
+            self.bind()
+        old = threading.stack_size(PIPE_THREAD_STACK)
+        try:
+            for _ in range(self._prestart):
+                self._spawn_worker()
+        finally:
+            threading.stack_size(old)
+        self._acceptor = threading.Thread(name="acceptor", target=self._accept_loop,
+                                          daemon=True)
+        self._acceptor.start()
+        if self.gil_cpu is not None:
+            log.info("acceptor and pipe threads run Python on one CPU cpu=%d", self.gil_cpu)
+
+
+    def acceptor_alive(self) -> bool:
+        return self._acceptor is not None and self._acceptor.is_alive()
+
+    def backlog_waiting(self) -> bool:
+        """A client waits in the listen backlog (for the heartbeat: an idle acceptor
+        blocks in accept() with nothing waiting; a stuck one leaves clients there)."""
+        listener = self._listener
+        if listener is None:
+            return False
+        poller = select.poll()
+        try:
+            poller.register(listener, select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed meanwhile
+            return False
+
+    def close_listener(self) -> None:
+        """Stop accepting: wakes the acceptor out of accept(). Once handed over, the
+        socket is the successor's: left alone (the acceptor notices within
+        ``ACCEPT_WAKE_S``). Live connections are not touched."""
+        self._accept_stop.set()
+        if (self._listener is not None and not self._handed_over.is_set()
+                and not self._shared):
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def shutdown(self, timeout: float = 5.0) -> bool:
+        """Close the listener, force-close live connections, wait for pipe threads."""
+        deadline = time.monotonic() + timeout
+        self._stopping.set()
+        self.close_listener()
+        if self._acceptor is not None:
+            self._acceptor.join(max(0.0, deadline - time.monotonic()))
+        if self._listener is not None:
+            self._listener.close()
+        closed = self._registry.close_all()
+        if closed:
+            log.info("shutdown: force-closed connections count=%d", closed)
+        with self._pool_lock:
+            workers = list(self._workers)
+            parked, self._parked = self._parked, []
+        for w in parked:  # busy ones see _stopping when their connection ends
+            w.item = None
+            w.wake.release()
+        ok = True
+        self._dialer.shutdown()
+        for w in workers:
+            t = w.thread
+            assert t is not None
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                ok = False
+                log.warning("thread outlived shutdown deadline thread=%s", t.name)
+        return ok
+
+    # -- acceptor thread --------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        sched.apply_to_current_thread(self._sched)
+        if self.gil_cpu is not None:
+            sched.pin_current_thread(self.gil_cpu)
+        listener = self._listener
+        family = listener.family
+        # socket.accept() converts family and type to enums on every call; the raw
+        # accept plus a socket built from known ints does the same work without that.
+        raw_accept = listener._accept  # type: ignore[attr-defined]
+        saturated = False
+        fd_backoff = 0.0
+        while not self._accept_stop.is_set():
+            if self._on_accept_loop is not None:
+                self._on_accept_loop()
+            if self._live >= self._max:
+                if not saturated:
+                    saturated = True
+                    log.warning("max connections reached; new clients wait in the backlog "
+                                "max_connections=%d", self._max)
+                with self._pool_lock:
+                    self._saturated = True
+                    self._slot_freed.clear()
+                    full = self._live >= self._max
+                if full:
+                    self._slot_freed.wait(0.5)
+                continue
+            if saturated:
+                saturated = False
+                with self._pool_lock:
+                    self._saturated = False
+                log.info("connection slots free again max_connections=%d", self._max)
+            try:
+                fd, addr = raw_accept()
+                sock = socket.socket(family, socket.SOCK_STREAM, 0, fd)
+            except OSError as exc:
+                if self._accept_stop.is_set():
+                    break
+                if exc.errno == errno.EAGAIN:  # SO_RCVTIMEO: look at the flags again
+                    continue
+                if exc.errno in _FD_ERRNOS:
+                    # Once per episode at warning ("accept recovered" ends it); the
+                    # retries of one episode at debug.
+                    log.log(logging.DEBUG if fd_backoff else logging.WARNING,
+                            "accept failed; backing off until descriptors free up "
+                            "error=%r backoff=%gs", exc.strerror, fd_backoff or 0.01)
+                    fd_backoff = min(1.0, fd_backoff * 2 or 0.01)
+                    self._accept_stop.wait(fd_backoff)
+                elif exc.errno not in (errno.ECONNABORTED, errno.EINTR, errno.EPROTO):
+                    log.exception("accept failed")
+                    self._accept_stop.wait(0.05)
+                continue
+            if fd_backoff:
+                fd_backoff = 0.0
+                log.info("accept recovered")
+            self._dispatch(sock, _format_addr(addr))
+        log.debug("acceptor stopped")
+
+    # -- pipe threads (pipepool.PipePool._worker_loop calls this) ------------------------
+
+    def _serve(self, client_sock: socket.socket, client: str, me: threading.Thread) -> None:
+        if self._stopping.is_set():
+            client_sock.close()
+            return
+        if self._client_opts is not False:
+            apply_sockopts(client_sock)
+        tried: set[str] = set()
+        drain_retry = True
+        first: bytes | None = None  # the client's first bytes, once read (for a re-dial)
+        reg = self._registry
+        debug = log.isEnabledFor(logging.DEBUG)  # per connection, never per byte
+        while True:
+            t0 = time.monotonic() if debug else 0.0
+            upstream, res = self._dialer.connect(
+                tried, client_sock.fileno() if first is None and self._judge_in_relay else -1)
+            if upstream is None or res is None:
+                _no_upstream(client=client)
+                if not self._stopping.is_set():
+                    reg.record_no_upstream()  # connection_errors_total{upstream="none"}
+                client_sock.close()
+                return
+            addr = res.address
+            with res:  # attach ends the reservation; anything raised before it too
+                pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
+                            relay=self.relay, pin=self._pin)
+                attached = None
+                judge_ms = 0  # > 0: the relay call itself judges (Pipe.run_judged)
+                sent = 0  # of ``first``, already with this upstream
+                # Nowhere else to go, and nothing the client sent went elsewhere: the
+                # silent-upstream check could only delay this connection (a silent
+                # upstream keeps it either way), so the relay starts at once. A protocol
+                # whose server never speaks first (iperf3's data connections) would
+                # otherwise wait one dial timeout on a node with a single API server.
+                alone = res.alone and not res.panic
+                if self._judge_in_relay and not res.panic:
+                    if first is None:
+                        # The client's request, when it is there (the client speaks first),
+                        # goes to the upstream now, so the upstream works on it while
+                        # Python attaches the connection (new connections c=1: see
+                        # docs/performance.md); mostly the dial's own call did that.
+                        first, sent = res.first, res.sent
+                        if first is None:
+                            first, sent = take_first(client_sock.fileno(), upstream.fileno())
+                    if alone and (first is None or sent == len(first)):
+                        pipe.count_sent(sent)
+                        attached = reg.attach(res, pipe)
+                    else:
+                        # The common case: attached now, judged by the relay's own first
+                        # call (Pipe.run_judged), one GIL round trip fewer per connection.
+                        attached = reg.attach_unjudged(res, pipe)
+                        if attached is not None:
+                            judge_ms = max(1, int(self._dial_timeout * 1000))
+                if attached is None:  # judged here first, unless there is nothing to judge
+                    if res.panic:
+                        if first:  # a silent upstream had them; nothing else to judge by
+                            self._first_answer(client_sock, upstream, first)
+                    elif not (alone and first is None):
+                        answered, first = self._first_answer(client_sock, upstream, first,
+                                                             sent)
+                        if not answered and reg.any_pickable(exclude=tried):
+                            # Connected, but silent (see the relay call's case below).
+                            upstream.close()
+                            self._silent(addr)
+                            continue
+                    attached = reg.attach(res, pipe)
+            if not attached:
+                upstream.close()
+                if drain_retry and not reg.closing:
+                    # The endpoint started draining while we dialed: one retry elsewhere.
+                    drain_retry = False
+                    if reg.any_pickable(exclude=tried):
+                        continue
+                if not reg.closing:  # its upstream drained away, and no other was left
+                    reg.record_no_upstream()
+                client_sock.close()
+                return
+            me.name = f"pipe-{client}->{addr}"
+            if debug:
+                connlog.opened(log, client, addr, time.monotonic() - t0)
+                t0 = time.monotonic()
+            silent = None
+            try:
+                if judge_ms:
+                    silent = pipe.run_judged(judge_ms, first, sent)
+                    if silent is not None and not reg.any_pickable(exclude=tried):
+                        # Silent, but nothing else to give the bytes to: this one has
+                        # them already, and may still answer (as the two-step path does).
+                        pipe.count_sent(len(silent))
+                        silent = None
+                        pipe.run()
+                else:
+                    pipe.run()
+            finally:
+                reg.detach(addr, pipe)
+                if debug and silent is None:
+                    connlog.closed(log, pipe, t0)
+            if silent is None:
+                return
+            # Connected, but silent: a frozen process whose kernel still completes
+            # handshakes. Nothing went back to the client yet, so its first bytes go to
+            # the next upstream instead.
+            first = silent
+            upstream.close()
+            self._silent(addr)
+
+    def _silent(self, addr: str) -> None:
+        """A connected upstream did not answer the client's first bytes: a failed dial."""
+        self._dialer.failed(addr, f"no answer within {self._dial_timeout:g}s "
+                            "of the client's first bytes")
+
+    def _first_answer(self, client: socket.socket, upstream: socket.socket,
+                      first: bytes | None, sent: int = 0) -> tuple[bool, bytes]:
+        """Hand the client's first bytes to a new upstream; did it answer within a dial
+        timeout? (firstbytes.first_answer)"""
+        return first_answer(client, upstream, first, dial_timeout=self._dial_timeout,
+                            native_first=self._native_first, sent=sent)

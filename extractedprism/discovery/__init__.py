@@ -1,0 +1,3 @@
+"""Where upstreams come from: the kube client, the EndpointSlice watch, slice parsing,
+the merge of providers, watch backoff and the state file.
+"""

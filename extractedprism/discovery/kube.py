@@ -1,0 +1,376 @@
+"""Kubernetes API access for EndpointSlice discovery: the only module importing ``kubernetes``.
+
+Owns building the API client and the two calls the watcher makes (list, watch), and
+turns the client's many failure shapes into three outcomes the watcher cares about:
+a result, :class:`Gone` (410: re-list) or any other exception (a counted error). Runs on
+the watcher thread; :meth:`WatchStream.close` is the one method called from another
+thread (shutdown), and it only shuts the stream's socket down to wake the blocked read.
+
+Where the client connects (spec, "Endpoint discovery"):
+
+* ``--kubeconfig``: that file, used as given.
+* in a cluster (service-account ``token`` and ``ca.crt`` present): this proxy's *own*
+  listener, ``https://<bind-address>:<bind-port>`` (127.0.0.1 when the bind address is a
+  wildcard), verifying the API server certificate as ``kubernetes.default.svc`` (sent as
+  SNI too). Discovery then survives the loss of any API server and needs no CNI or
+  ClusterIP. The token file is re-read before every request, so a rotated projected
+  token is used at once (the client's in-cluster loader would also reset ``host`` to the
+  ClusterIP on refresh, so its hook is not used). Environment proxies are ignored: the
+  target is loopback.
+* neither: :func:`build_client` returns None and the caller runs static-only.
+
+Why not ``kubernetes.watch.Watch.stream``: it re-opens a watch by itself after a 410
+ERROR event and after every clean end unless ``timeout_seconds`` is passed, and it
+crashes on a line that is not JSON or an event without ``object`` (kubernetes 37.0.2,
+``watch/watch.py``). The watcher must see every end, every 410 and survive garbage, so
+this module reads the raw response itself, split into lines like the client's
+``iter_resp_lines`` (which drops an unterminated last line without a word; here it is
+logged), and always passes ``timeout_seconds``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import urllib3
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+from extractedprism import __version__
+from extractedprism.config.table import Config
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "default"
+LABEL_SELECTOR = "kubernetes.io/service-name=kubernetes"
+TLS_SERVER_NAME = "kubernetes.default.svc"
+DEFAULT_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+CONNECT_TIMEOUT = 10.0
+LIST_READ_TIMEOUT = 30.0
+# The list body: each read waits at most LIST_READ_TIMEOUT, and the whole body must come
+# within LIST_DEADLINE_S and LIST_MAX_BYTES, so a server that drips bytes or sends
+# without end cannot hold the watcher (and its memory) forever. A real list of the
+# kubernetes service's slices is a few KiB and arrives in milliseconds.
+LIST_DEADLINE_S = 60.0
+LIST_MAX_BYTES = 64 * 1024 * 1024
+# A watch read may legitimately wait until the server's timeoutSeconds; past that
+# (plus slack) the connection is dead and the read deadline ends the stream.
+WATCH_READ_SLACK = 30.0
+# The reasons the API uses for an expired resourceVersion; client-go's IsResourceExpired
+# and IsGone go by these as much as by the code.
+GONE_REASONS = ("Expired", "Gone")
+# The longest watch line (one event) kept in memory. The API server stores objects of at
+# most ~1.5 MiB (etcd's request limit) and a slice of 1,000 endpoints is well under 1 MiB
+# as JSON, so only a broken or hostile server gets near this; past it the stream is
+# ended (as a drop: not counted) and the next watch resumes from the last applied
+# resourceVersion.
+MAX_LINE_BYTES = 16 * 1024 * 1024
+# Each read takes at most this much, whatever size a chunk header announces, so memory
+# stays within MAX_LINE_BYTES plus one read.
+READ_BYTES = 64 * 1024
+
+
+class Gone(Exception):
+    """410 Gone: the resourceVersion was compacted away; the caller must re-list."""
+
+
+class LineTooLong(ValueError):
+    """A watch line grew past :data:`MAX_LINE_BYTES` without a newline."""
+
+
+class WatchErrorEvent(Exception):
+    """A watch ERROR event other than 410 (the server ends the watch after it)."""
+
+    def __init__(self, code: Any, reason: Any, message: Any) -> None:
+        super().__init__(f"watch error event code={code} reason={reason} message={message}")
+        self.code = code
+        self.reason = reason
+
+
+class ClientConfigError(Exception):
+    """Discovery was configured (kubeconfig or service account) but cannot be used."""
+
+
+def proxy_url(bind_address: str, bind_port: int) -> str:
+    """``https://host:port`` of this proxy's own listener, as the in-cluster client uses it."""
+    host = bind_address.strip().strip("[]")
+    try:
+        if not host or ipaddress.ip_address(host).is_unspecified:
+            host = "127.0.0.1"
+    except ValueError:
+        pass  # a hostname: connect to it as given
+    if ":" in host:
+        host = f"[{host}]"
+    return f"https://{host}:{bind_port}"
+
+
+def has_service_account(sa_dir: str) -> bool:
+    return os.path.isfile(os.path.join(sa_dir, "token")) and os.path.isfile(
+        os.path.join(sa_dir, "ca.crt")
+    )
+
+
+def _read_token(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        token = f.read().strip()
+    if not token:
+        raise ClientConfigError(f"token file {path} is empty")
+    return token
+
+
+class _TokenFile:
+    """``refresh_api_key_hook``: re-read the projected token before every request."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, configuration: k8s_client.Configuration) -> None:
+        try:
+            token = _read_token(self.path)
+        except (OSError, ClientConfigError) as exc:
+            # Keep the last good token; the request fails with 401 if it is stale.
+            log.warning("service account token unreadable path=%s error=%s", self.path, exc)
+            return
+        configuration.api_key["BearerToken"] = token
+
+
+def in_cluster_configuration(config: Config, sa_dir: str) -> k8s_client.Configuration:
+    token_path = os.path.join(sa_dir, "token")
+    ca_path = os.path.join(sa_dir, "ca.crt")
+    try:
+        token = _read_token(token_path)
+        with open(ca_path, encoding="utf-8") as f:
+            if not f.read().strip():
+                raise ClientConfigError(f"CA file {ca_path} is empty")
+    except OSError as exc:
+        raise ClientConfigError(f"service account unreadable: {exc}") from exc
+    cfg = k8s_client.Configuration(
+        host=proxy_url(config.bind_address, config.bind_port),
+        ssl_ca_cert=ca_path,
+        tls_server_name=TLS_SERVER_NAME,
+    )
+    cfg.proxy = None  # never an environment proxy for our own loopback listener
+    cfg.api_key["BearerToken"] = token
+    cfg.api_key_prefix["BearerToken"] = "Bearer"
+    cfg.refresh_api_key_hook = _TokenFile(token_path)
+    return cfg
+
+
+def build_client(config: Config, sa_dir: str | None = None) -> KubeClient | None:
+    """The discovery client, or None when neither a kubeconfig nor a service account exists.
+
+    Raises :class:`ClientConfigError` when one is configured but unusable.
+    """
+    sa_dir = sa_dir if sa_dir is not None else DEFAULT_SA_DIR
+    if config.kubeconfig:
+        try:
+            api = k8s_config.new_client_from_config(
+                config_file=config.kubeconfig, persist_config=False
+            )
+        except Exception as exc:  # the loader raises many types (ConfigException, yaml, OSError)
+            raise ClientConfigError(f"kubeconfig {config.kubeconfig}: {exc}") from exc
+        log.info("discovery client source=kubeconfig path=%s server=%s",
+                 config.kubeconfig, api.configuration.host)
+        return KubeClient(api)
+    if has_service_account(sa_dir):
+        cfg = in_cluster_configuration(config, sa_dir)
+        log.info("discovery client source=in-cluster server=%s tls_server_name=%s",
+                 cfg.host, TLS_SERVER_NAME)
+        return KubeClient(k8s_client.ApiClient(cfg))
+    return None
+
+
+def _dropped(exc: BaseException) -> bool:
+    """True for the ways a stream read fails when the connection goes away."""
+    return isinstance(exc, urllib3.exceptions.HTTPError | OSError | ValueError)
+
+
+class WatchStream:
+    """One open watch response. Iterate for events; :meth:`close` from any thread.
+
+    Iteration yields ``{"type": ..., "object": {...}}`` dicts for ADDED, MODIFIED,
+    DELETED and BOOKMARK; skips (with a log line) lines that are not JSON or not an event;
+    raises :class:`Gone` on an ERROR event with code 410 and :class:`WatchErrorEvent`
+    on any other ERROR event; and simply ends when the stream ends (a clean end, a
+    dropped connection, a read deadline, or a line longer than :data:`MAX_LINE_BYTES`,
+    which it stops reading: the metrics do not count those).
+    """
+
+    def __init__(self, resp: Any) -> None:
+        self._resp = resp
+        self._partial = bytearray()  # bytes after the last newline
+        self.ended_by = ""  # "end" or "dropped: <error>", for logging
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        try:
+            for line in self._lines():
+                event = self._parse(line)
+                if event is not None:
+                    yield event
+            self.ended_by = "end"
+        except (Gone, WatchErrorEvent):
+            raise
+        except Exception as exc:
+            if not _dropped(exc):
+                raise
+            self.ended_by = f"dropped: {type(exc).__name__}: {exc}"
+        if self._partial.strip():
+            # The event it began is not applied; the next watch starts from the last
+            # applied resourceVersion, so the server sends it again.
+            log.warning("watch line skipped reason=%r line=%.120r",
+                        "truncated: the stream ended inside it",
+                        self._partial.decode("utf-8", errors="replace"))
+
+    def _lines(self) -> Iterator[str]:
+        buf = self._partial
+        # amt=None would read a whole chunk at once, as large as its header claims.
+        for segment in self._resp.stream(amt=READ_BYTES, decode_content=False):
+            # Only the new bytes can hold a newline: no rescan of a long partial line.
+            start = len(buf)
+            buf.extend(segment if isinstance(segment, bytes) else str(segment).encode())
+            while (nl := buf.find(b"\n", start)) != -1:
+                # Invalid UTF-8 becomes U+FFFD, and the line then fails JSON parsing.
+                line = buf[:nl].decode("utf-8", errors="replace")
+                del buf[: nl + 1]
+                start = 0
+                yield line
+            if len(buf) > MAX_LINE_BYTES:
+                size = len(buf)
+                head = bytes(buf[:120]).decode("utf-8", errors="replace")
+                buf.clear()
+                log.warning("watch line too long; ending the stream size>=%d limit=%d "
+                            "line=%.120r", size, MAX_LINE_BYTES, head)
+                raise LineTooLong(f"watch line over {MAX_LINE_BYTES} bytes")
+
+    @staticmethod
+    def _parse(line: str) -> dict[str, Any] | None:
+        if not line.strip():
+            return None
+        try:
+            event = json.loads(line)
+        except ValueError:
+            log.warning("watch line skipped reason=%r line=%.120r", "not JSON", line)
+            return None
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            log.warning("watch line skipped reason=%r line=%.120r", "not an event", line)
+            return None
+        obj = event.get("object")
+        if event["type"] == "ERROR":
+            status = obj if isinstance(obj, dict) else {}
+            code = status.get("code")
+            if code == 410 or status.get("reason") in GONE_REASONS:
+                raise Gone(f"watch error event code={code} reason={status.get('reason')} "
+                           f"message={status.get('message')}")
+            raise WatchErrorEvent(code, status.get("reason"), status.get("message"))
+        if not isinstance(obj, dict):
+            log.warning("watch event skipped type=%s reason=%r", event["type"], "no object")
+            return None
+        return event
+
+    def close(self) -> None:
+        """Wake a read blocked on this stream (thread-safe), then let the reader clean up."""
+        conn = getattr(self._resp, "connection", None)
+        sock = getattr(conn, "sock", None)
+        if sock is not None:
+            # The plain-socket shutdown, not SSLSocket.shutdown: the latter drops the
+            # TLS object under the reading thread's feet.
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    def release(self) -> None:
+        """Close the response and return its connection (watcher thread only)."""
+        try:
+            self._resp.close()
+            self._resp.release_conn()
+        except Exception:  # already closed / pool gone: nothing to release
+            log.debug("watch response release failed", exc_info=True)
+
+
+def _read_list_body(resp: Any) -> bytes:
+    """The whole list body, within LIST_DEADLINE_S and LIST_MAX_BYTES."""
+    deadline = time.monotonic() + LIST_DEADLINE_S
+    body = bytearray()
+    # read1: whatever has arrived (up to READ_BYTES), so the deadline is checked as bytes
+    # trickle in; read(n) would wait for all n of them.
+    while chunk := resp.read1(READ_BYTES):
+        body += chunk
+        if len(body) > LIST_MAX_BYTES:
+            raise ValueError(f"EndpointSlice list larger than {LIST_MAX_BYTES} bytes")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"EndpointSlice list not received within {LIST_DEADLINE_S:g} s")
+    return bytes(body)
+
+
+class KubeClient:
+    """List and watch the ``kubernetes`` service's EndpointSlices in ``default``."""
+
+    def __init__(self, api: k8s_client.ApiClient) -> None:
+        self.api = api
+        api.user_agent = f"extractedprism/{__version__}"
+        self._discovery = k8s_client.DiscoveryV1Api(api)
+
+    @property
+    def host(self) -> str:
+        return str(self.api.configuration.host)
+
+    def list_slices(self) -> tuple[list[Any], str]:
+        """(items in wire form, list resourceVersion). Raises on any failure."""
+        resp = self._discovery.list_namespaced_endpoint_slice(
+            NAMESPACE,
+            label_selector=LABEL_SELECTOR,
+            _preload_content=False,
+            _request_timeout=(CONNECT_TIMEOUT, LIST_READ_TIMEOUT),
+        )
+        try:
+            body = json.loads(_read_list_body(resp))
+        except BaseException:
+            resp.close()  # partly read: the connection must not go back to the pool
+            raise
+        finally:
+            resp.release_conn()
+        if not isinstance(body, dict):
+            raise ValueError("EndpointSlice list is not a JSON object")
+        meta = body.get("metadata")
+        rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
+        if not isinstance(rv, str) or not rv:
+            raise ValueError("EndpointSlice list has no metadata.resourceVersion")
+        items = body.get("items")
+        if items is None:
+            items = []
+        if not isinstance(items, list):
+            raise ValueError("EndpointSlice list items is not a list")
+        return items, rv
+
+    def watch(self, resource_version: str, timeout_seconds: int) -> WatchStream:
+        """Open a watch from ``resource_version``; raises Gone on HTTP 410, else on failure."""
+        try:
+            resp = self._discovery.list_namespaced_endpoint_slice(
+                NAMESPACE,
+                label_selector=LABEL_SELECTOR,
+                watch=True,
+                resource_version=resource_version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=timeout_seconds,
+                _preload_content=False,
+                _request_timeout=(CONNECT_TIMEOUT, timeout_seconds + WATCH_READ_SLACK),
+            )
+        except ApiException as exc:
+            if exc.status == 410:
+                raise Gone(f"watch HTTP 410: {exc.reason}") from exc
+            raise
+        return WatchStream(resp)
+
+    def close(self) -> None:
+        try:
+            self.api.close()
+        except Exception:
+            log.debug("kubernetes client close failed", exc_info=True)

@@ -1,0 +1,111 @@
+"""The ``/upstreams`` document: one registry snapshot rendered as JSON-ready data (pure).
+
+Kept apart from the HTTP plumbing so ``extractedprism status`` and the admin socket's
+``list`` show exactly what ``/upstreams`` shows. Registry times are monotonic (they
+order events and deadlines); here each becomes wall-clock time through the pair of
+clocks the snapshot was taken with, and is written as RFC 3339 with milliseconds and
+the local offset (``2026-12-01T18:25:55.148+00:00``).
+
+Per upstream: ``address``, ``source`` (providers that list it), ``state`` in words
+(``healthy``, ``unhealthy``, ``draining`` (removed from the endpoint list),
+``closing-unready`` (TCP-healthy, unready, readiness drain scheduled), ``admin-drain``,
+``fallback``), ``since`` (last change of ``state``), ``healthy``, ``draining`` (removed
+endpoints only, as before),
+``draining_reason`` (``removed``, ``unready``, ``admin``, or null) and ``close_deadline``
+(when its remaining connections are closed, whenever that is scheduled), ``ready``,
+``readiness``, ``ready_reason``, ``failures`` (current consecutive-failure streak),
+``last_check_at``, ``last_check_error``, ``last_error_source`` (``probe`` or ``dial``),
+``tier``, ``rtt_seconds``, ``active_connections``, ``total_connections``, ``bytes_up``
+(client to upstream), ``bytes_down``, and ``admin`` (the operator's action, its uid and
+time, or null).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from extractedprism.discovery.status import DiscoveryView
+
+if TYPE_CHECKING:
+    from extractedprism.upstreams.snapshot import Snapshot, UpstreamView
+
+
+def rfc3339(wall: float | None) -> str | None:
+    """Unix time -> ``YYYY-MM-DDTHH:MM:SS.mmm+HH:MM`` in the local zone (None stays None)."""
+    if wall is None:
+        return None
+    return datetime.fromtimestamp(wall, UTC).astimezone().isoformat(timespec="milliseconds")
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """What the document says about the process itself."""
+
+    version: str
+    started: float  # wall time
+    relay: str  # "native" | "python"
+    discovery: DiscoveryView | None  # None: --enable-discovery=false
+
+
+class _Clock:
+    """Monotonic registry times -> wall times, through one snapshot's pair of clocks."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self._offset = snap.taken_wall - snap.taken_mono
+
+    def __call__(self, mono: float | None) -> str | None:
+        return None if mono is None else rfc3339(mono + self._offset)
+
+
+def upstream_entry(u: UpstreamView, wall: _Clock) -> dict[str, Any]:
+    admin = None
+    if u.admin is not None:
+        admin = {"action": u.admin.action, "uid": u.admin.uid, "at": wall(u.admin.at)}
+    return {
+        "address": u.address,
+        "source": list(u.sources),
+        "state": u.state,
+        "since": wall(u.since),
+        "healthy": u.healthy,
+        "draining": u.draining,
+        "draining_reason": u.draining_reason,
+        "close_deadline": wall(u.close_deadline),
+        "ready": u.ready if u.readiness != "n/a" else None,
+        "readiness": u.readiness,
+        "ready_reason": u.ready_reason,
+        "failures": u.failures,
+        "last_check_at": wall(u.last_check_at),
+        "last_check_error": u.last_check_error,
+        "last_error_source": u.last_error_source or None,
+        "tier": u.tier,
+        "rtt_seconds": u.rtt_seconds,
+        "active_connections": u.active_connections,
+        "total_connections": u.total_connections,
+        "bytes_up": u.bytes_up,
+        "bytes_down": u.bytes_down,
+        "admin": admin,
+    }
+
+
+def discovery_entry(d: DiscoveryView | None) -> dict[str, Any]:
+    if d is None:
+        return {"enabled": False}
+    return {"enabled": True, "connected": d.connected, "last_event": rfc3339(d.last_event),
+            "last_error": d.last_error or None}
+
+
+def upstreams_document(snap: Snapshot, info: ProcessInfo) -> dict[str, Any]:
+    """The whole ``/upstreams`` body."""
+    wall = _Clock(snap)
+    return {
+        "version": info.version,
+        "started": rfc3339(info.started),
+        "relay": info.relay,
+        "panic": snap.panic,
+        "connections_active": snap.connections_active,
+        "max_connections": snap.max_connections,
+        "discovery": discovery_entry(info.discovery),
+        "upstreams": [upstream_entry(u, wall) for u in snap.upstreams],
+    }

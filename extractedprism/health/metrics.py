@@ -1,0 +1,150 @@
+"""Prometheus metrics: discovery counters fed by events, the rest read from snapshots.
+
+Upstream state and its counters (connections, dial errors, bytes) are plain integers
+in the registry's records; :class:`StateCollector` turns one ``snapshot()`` into every
+gauge and those counters at scrape time, so a removed upstream's series vanish with
+its record, can never disagree with ``/upstreams``, and no metric call happens under
+the registry lock. The discovery counters belong to no upstream and are incremented
+by merge.py and watch.py where the event happens. Metric objects live on an injected
+``CollectorRegistry`` so each test (and each App) gets a fresh set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from extractedprism.upstreams.snapshot import Snapshot, UpstreamView
+
+PREFIX = "extractedprism_"
+
+# `_created` timestamps double the counter series and help nobody reading this proxy.
+disable_created_metrics()
+
+
+class Metrics:
+    """Every metric of extractedprism, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.discovery_updates_total = Counter(
+            PREFIX + "discovery_updates_total",
+            "Endpoint list updates received, by provider (static, kubernetes)",
+            ["provider"],
+            registry=r,
+        )
+        self.discovery_errors_total = Counter(
+            PREFIX + "discovery_errors_total",
+            "Discovery errors: provider failures, failed Watch calls, watch error events and "
+            "failed re-lists (not stream ends, not 410 Gone)",
+            ["provider"],
+            registry=r,
+        )
+        self._collector: StateCollector | None = None
+
+    def attach_state(self, snapshot: Callable[[], Snapshot]) -> None:
+        """Serve the gauges from ``snapshot()`` at every scrape."""
+        self._collector = StateCollector(snapshot)
+        self.registry.register(self._collector)
+
+
+PerUpstream = Callable[["Snapshot", "UpstreamView"], "float | None"]
+
+# Gauges of the whole proxy: (name, help, value).
+GAUGES: tuple[tuple[str, str, Callable[[Snapshot], float]], ...] = (
+    ("upstreams_active", "Upstreams eligible for new connections (healthy, not draining)",
+     lambda s: sum(1 for u in s.upstreams if u.pickable)),
+    ("upstreams_total", "Total known upstreams, including unhealthy and draining (not the "
+     "static endpoints --static-endpoints=fallback keeps as a last resort)",
+     lambda s: sum(1 for u in s.upstreams if not u.fallback)),
+    ("connections_active", "TCP connections currently passing through the proxy",
+     lambda s: s.connections_active),
+    ("connections_max", "Maximum concurrent connections (--max-connections)",
+     lambda s: s.max_connections),
+    ("panic", "1 while no upstream is pickable and new connections try every known upstream",
+     lambda s: 1 if s.panic else 0),
+)
+
+# Per-upstream gauges, label "upstream": (name, help, value or None for no series).
+UPSTREAM_GAUGES: tuple[tuple[str, str, PerUpstream], ...] = (
+    ("health_check_status", "Upstream health state after the consecutive-failure threshold, "
+     "fed by health checks and client dials (1 healthy, 0 unhealthy)",
+     lambda s, u: 1 if u.healthy else 0),
+    ("upstream_connections_active", "Live proxied connections per upstream",
+     lambda s, u: u.active_connections),
+    ("upstream_rtt_seconds", "Smoothed health check connect time (latency selection only)",
+     lambda s, u: u.rtt_seconds if s.latency_mode else None),
+    ("upstream_latency_tier",
+     "Latency tier of the upstream, 0 being the closest group (latency selection only)",
+     lambda s, u: u.tier if s.latency_mode else None),
+    ("upstream_ready",
+     "/readyz probe state after the consecutive-failure threshold (1 ready, 0 not ready)",
+     lambda s, u: (1 if u.ready else 0) if s.readyz_mode and u.probed_ready else None),
+)
+
+
+class StateCollector(Collector):
+    """Yields the metric families computed from one registry snapshot."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Any]:
+        # Without describe(), registering would call collect() once, at start-up, before
+        # the registry has upstreams; an empty list is the documented way to skip that.
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily
+                                  | HistogramMetricFamily]:
+        snap = self._snapshot()
+        yield CounterMetricFamily(
+            PREFIX + "connections_total",
+            "Connections established to upstreams since start",
+            value=snap.connections_total,
+        )
+        errors = CounterMetricFamily(
+            PREFIX + "connection_errors_total",
+            "Failed connection attempts to an upstream; upstream=\"none\" counts clients "
+            "closed because no upstream was available. Failures caused by proxy shutdown "
+            "are not counted",
+            labels=["upstream"],
+        )
+        # Every client dial, successful or failed, by upstream; health checks are not
+        # client dials and are not observed.
+        dials = HistogramMetricFamily(
+            PREFIX + "dial_duration_seconds",
+            "Time to connect to an upstream for a client connection, successful or failed",
+            labels=["upstream"],
+        )
+        sent = CounterMetricFamily(
+            PREFIX + "upstream_bytes_total",
+            "Bytes proxied per upstream and direction (up: client to upstream)",
+            labels=["upstream", "direction"],
+        )
+        errors.add_metric(["none"], snap.turned_away)
+        for u in snap.upstreams:
+            errors.add_metric([u.address], u.connection_errors)
+            sent.add_metric([u.address, "up"], u.bytes_up)
+            sent.add_metric([u.address, "down"], u.bytes_down)
+            dials.add_metric([u.address], [(floatToGoString(b), n)
+                                           for b, n in u.dials.cumulative()],
+                             u.dials.total)
+        yield errors
+        yield sent
+        yield dials
+        for name, doc, value in GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value(snap))
+        for name, doc, per in UPSTREAM_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["upstream"])
+            for u in snap.upstreams:
+                v = per(snap, u)
+                if v is not None:
+                    family.add_metric([u.address], v)
+            yield family

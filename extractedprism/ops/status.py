@@ -1,0 +1,318 @@
+"""``extractedprism status``: where this node's API traffic goes, as a table.
+
+Runs in its own short-lived process (``kubectl exec ... extractedprism status`` in the
+distroless image). It reads the local health server, found from the same flags and
+``EP_`` variables as the server (``--health-bind-address``, falling back to
+``--bind-address`` as the server does, and ``--health-port``; no ``--endpoints``
+needed), and prints one line per upstream and one summary line. ``--json`` prints the
+``/upstreams`` document as it came; ``--watch [INTERVAL]`` redraws until Ctrl-C.
+
+Exit status: 0 when the proxy is ready (``/readyz`` answers 200), 1 when it answers but
+is not ready, 2 when it cannot be reached (or the arguments are wrong).
+
+The table renders what the document holds and shows ``-`` for what it lacks, so an
+older or newer server still gives a readable table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from extractedprism.config.table import FLAG_BY_NAME, parse_duration
+
+READY, NOT_READY, UNREACHABLE = 0, 1, 2
+COLUMNS = ("ADDRESS", "SOURCE", "STATE", "READY", "TIER", "RTT", "CONNS", "SINCE", "ADMIN",
+           "LAST ERROR")
+_WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+class Unreachable(Exception):
+    """The health server did not answer usefully; the message says why."""
+
+
+def _setting(name: str, given: str | None, environ: Mapping[str, str]) -> str | None:
+    """A flag's value: the command line, else its EP_ variable (empty counts as unset)."""
+    if given is not None and given.strip():
+        return given.strip()
+    env = environ.get(FLAG_BY_NAME[name].env, "").strip()
+    return env or None
+
+
+def health_address(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, int]:
+    """Where the server's health port is, resolved as the server resolves it."""
+    host = (_setting("health-bind-address", args.health_bind_address, environ)
+            or _setting("bind-address", args.bind_address, environ)
+            or str(FLAG_BY_NAME["bind-address"].default))
+    port_text = (_setting("health-port", args.health_port, environ)
+                 or str(FLAG_BY_NAME["health-port"].default))
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise SystemExit(f"extractedprism status: --health-port ({port_text}) is not a "
+                         "whole number") from None
+    if not 1 <= port <= 65535:
+        raise SystemExit(f"extractedprism status: --health-port ({port}) must be in the "
+                         "range 1-65535")
+    host = _WILDCARDS.get(host, host)  # a wildcard listener answers on loopback
+    return host.strip("[]"), port
+
+
+def _get(address: tuple[str, int], path: str, timeout: float) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(address[0], address[1], timeout=timeout)
+    try:
+        conn.request("GET", path, headers={"Accept": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def fetch(address: tuple[str, int], timeout: float) -> tuple[dict[str, Any], bool, bytes]:
+    """(the /upstreams document, whether /readyz said 200, the document's raw bytes)."""
+    url = f"http://{_hostport(address)}"
+    try:
+        status, body = _get(address, "/upstreams", timeout)
+        ready_status, _ = _get(address, "/readyz", timeout)
+    except (OSError, http.client.HTTPException) as exc:
+        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise Unreachable(f"cannot reach the health server at {url} ({why.lower()})") \
+            from None
+    if status != 200:
+        raise Unreachable(f"{url}/upstreams answered {status}, not 200")
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        raise Unreachable(f"{url}/upstreams did not answer JSON") from None
+    if not isinstance(doc, dict):
+        raise Unreachable(f"{url}/upstreams did not answer a JSON object")
+    return doc, ready_status == 200, body
+
+
+def _hostport(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# --- rendering -------------------------------------------------------------------------
+
+
+def _dash(value: object) -> str:
+    if value is None or value == "" or value == []:
+        return "-"
+    return str(value)
+
+
+def _yes_no(value: object) -> str:
+    if value is None:
+        return "-"
+    return "yes" if value else "no"
+
+
+def parse_time(text: object) -> datetime.datetime | None:
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        stamp = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=datetime.UTC)
+
+
+def age(text: object, now: datetime.datetime) -> str:
+    """``2026-12-01T18:25:55.148+00:00`` -> ``4m12s`` (how long ago), or ``-``."""
+    stamp = parse_time(text)
+    if stamp is None:
+        return _dash(text) if not isinstance(text, str) else "-"
+    secs = max(0, int((now - stamp).total_seconds()))
+    if secs < 60:
+        return f"{secs}s"
+    if secs < 3600:
+        return f"{secs // 60}m{secs % 60:02d}s"
+    if secs < 86400:
+        return f"{secs // 3600}h{secs % 3600 // 60:02d}m"
+    return f"{secs // 86400}d{secs % 86400 // 3600:02d}h"
+
+
+def state_word(u: Mapping[str, Any]) -> str:
+    if u.get("state"):
+        return str(u["state"])
+    if "healthy" not in u:
+        return "-"
+    if u.get("draining"):
+        return "draining"
+    return "healthy" if u["healthy"] else "unhealthy"
+
+
+def _rtt(value: object) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    ms = value * 1000
+    return f"{ms:.1f}ms" if ms < 100 else f"{ms:.0f}ms"
+
+
+def conns_text(u: Mapping[str, Any]) -> str:
+    active = u.get("active", u.get("active_connections"))
+    total = u.get("total", u.get("total_connections"))
+    if active is None and total is None:
+        return "-"
+    return f"{_dash(active)}/{_dash(total)}"
+
+
+def _last_error(u: Mapping[str, Any]) -> str:
+    error = u.get("last_check_error") or u.get("last_error")
+    if not error:
+        return "-"
+    source = u.get("last_error_source")
+    return f"{error} ({source})" if source else str(error)
+
+
+def _source(u: Mapping[str, Any]) -> str:
+    src = u.get("source")
+    if isinstance(src, list):
+        return ",".join(str(s) for s in src) or "-"
+    return _dash(src)
+
+
+def _admin(u: Mapping[str, Any]) -> str:
+    """An operator's admin action on the upstream: ``drain(uid=0)``, or ``-``."""
+    admin = u.get("admin")
+    if not isinstance(admin, dict) or not admin.get("action"):
+        return "-"
+    uid = admin.get("uid")
+    return f"{admin['action']}(uid={uid})" if uid is not None else str(admin["action"])
+
+
+def row(u: Mapping[str, Any], now: datetime.datetime) -> list[str]:
+    ready = u.get("ready")
+    if ready is None and u.get("readiness") not in (None, "n/a"):
+        ready = u.get("readiness") == "ready"
+    return [_dash(u.get("address")), _source(u), state_word(u), _yes_no(ready),
+            _dash(u.get("tier")), _rtt(u.get("rtt_seconds")), conns_text(u),
+            age(u.get("since"), now), _admin(u), _last_error(u)]
+
+
+def summary(doc: Mapping[str, Any], ready: bool,
+            now: datetime.datetime | None = None) -> str:
+    ups = [u for u in doc.get("upstreams") or [] if isinstance(u, dict)]
+    healthy = sum(1 for u in ups if state_word(u) == "healthy"
+                  or (not u.get("state") and u.get("healthy") and not u.get("draining")))
+    parts = [f"{'ready' if ready else 'NOT READY'}: {healthy}/{len(ups)} upstreams healthy"]
+    readies = [u.get("ready") for u in ups if u.get("ready") is not None]
+    if readies:
+        parts.append(f"{sum(1 for r in readies if r)}/{len(ups)} ready")
+    active = doc.get("connections_active")
+    if active is not None:
+        limit = doc.get("max_connections")
+        parts.append(f"{active} connections" + (f" (max {limit})" if limit else ""))
+    if doc.get("panic"):
+        parts.append("PANIC: no upstream healthy, new connections try every upstream")
+    disc = doc.get("discovery")
+    if isinstance(disc, dict):
+        if disc.get("enabled") is False:
+            parts.append("discovery off")
+        elif "connected" in disc:
+            parts.append("discovery " + ("connected" if disc["connected"] else
+                                         "DISCONNECTED"))
+            if disc.get("last_error"):
+                parts[-1] += f" ({disc['last_error']})"
+    for key in ("relay", "version"):
+        if doc.get(key):
+            parts.append(f"{key} {doc[key]}")
+    if parse_time(doc.get("started")) is not None:
+        parts.append(f"up {age(doc['started'], now or datetime.datetime.now(datetime.UTC))}")
+    return ", ".join(parts)
+
+
+def render(doc: Mapping[str, Any], ready: bool, now: datetime.datetime | None = None) -> str:
+    now = now or datetime.datetime.now(datetime.UTC)
+    rows = [list(COLUMNS)] + [row(u, now) for u in doc.get("upstreams") or []
+                              if isinstance(u, dict)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip()
+             for r in rows]
+    if len(rows) == 1:
+        lines.append("(no upstreams)")
+    lines.append(summary(doc, ready, now))
+    return "\n".join(lines)
+
+
+# --- the command -------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="extractedprism status",
+        description="Show where this node's API server traffic goes: one line per "
+        "upstream, then a summary. Reads the local health server. Exit status: 0 ready, "
+        "1 answering but not ready, 2 unreachable.")
+    ap.add_argument("--health-bind-address", metavar="STR",
+                    help="health server address (default: EP_HEALTH_BIND_ADDRESS, else "
+                    "--bind-address)")
+    ap.add_argument("--bind-address", metavar="STR",
+                    help="the proxy's --bind-address (default: EP_BIND_ADDRESS, else "
+                    "127.0.0.1)")
+    ap.add_argument("--health-port", metavar="INT",
+                    help="health server port (default: EP_HEALTH_PORT, else 7446)")
+    ap.add_argument("--json", action="store_true",
+                    help="print the /upstreams document as it came")
+    ap.add_argument("--watch", nargs="?", const="2s", metavar="INTERVAL",
+                    help="redraw every INTERVAL (default 2s) until Ctrl-C")
+    ap.add_argument("--timeout", default="3s", metavar="DURATION",
+                    help="how long to wait for the health server (default: 3s)")
+    return ap
+
+
+def _duration(flag: str, text: str) -> float:
+    try:
+        value = parse_duration(text)
+    except ValueError as exc:
+        raise SystemExit(f"extractedprism status: {flag} ({text}) is invalid: {exc}") \
+            from None
+    if not 0 < value < float("inf"):
+        raise SystemExit(f"extractedprism status: {flag} ({text}) must be positive")
+    return value
+
+
+def once(address: tuple[str, int], as_json: bool, timeout: float) -> tuple[int, str]:
+    """(exit status, text to print) for one look."""
+    try:
+        doc, ready, raw = fetch(address, timeout)
+    except Unreachable as exc:
+        return UNREACHABLE, f"extractedprism status: {exc}"
+    text = raw.decode("utf-8", "replace").rstrip("\n") if as_json else render(doc, ready)
+    return (READY if ready else NOT_READY), text
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    env = os.environ if environ is None else environ
+    try:
+        address = health_address(args, env)
+        timeout = _duration("--timeout", args.timeout)
+        interval = _duration("--watch", args.watch) if args.watch is not None else 0.0
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return UNREACHABLE
+    if not interval:
+        status, text = once(address, args.json, timeout)
+        print(text, file=sys.stderr if status == UNREACHABLE else sys.stdout)
+        return status
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+    status = UNREACHABLE
+    try:
+        while True:
+            status, text = once(address, args.json, timeout)
+            stamp = time.strftime("%H:%M:%S")
+            print(f"{clear}{stamp}  {_hostport(address)}  (every {args.watch}; Ctrl-C "
+                  f"stops)\n{text}\n", flush=True)
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return status

@@ -1,0 +1,134 @@
+"""The registry's per-upstream record and its frozen view.
+
+Owns the fields the registry's lock guards for one upstream address: its state
+(:class:`~extractedprism.upstreams.state.UpstreamState`), live connections, deadlines,
+operator marks and counters, how they become an
+:class:`~extractedprism.upstreams.snapshot.UpstreamView`, and the readiness-driven connection
+moves over all records. Only registry methods (under the lock) touch a record.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.upstreams import state as sm
+from extractedprism.upstreams.dialstats import DialHistogram
+from extractedprism.upstreams.effects import Effects
+from extractedprism.upstreams.snapshot import AdminMark, UpstreamView
+from extractedprism.upstreams.state import UpstreamState
+
+
+class Tracked(Protocol):
+    """What the registry needs of a live connection (implemented by pipe.Pipe)."""
+
+    client: str
+    started: float
+    bytes_up: int
+    bytes_down: int
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Record:
+    """What the registry keeps per upstream address (guarded by its lock)."""
+
+    endpoint: Endpoint
+    state: UpstreamState = field(default_factory=UpstreamState)
+    conns: dict[int, Tracked] = field(default_factory=dict)
+    dialing: int = 0  # picked, dial in progress: counts for least-conn
+    drain_deadline: float | None = None
+    unready_deadline: float | None = None
+    last_success: float = 0.0
+    # The operator's view: the state word and when it last changed, the last check.
+    word: str = "healthy"
+    since: float = 0.0
+    last_check_at: float | None = None
+    admin_mark: AdminMark | None = None
+    # An admin close: (when, id(conn)) in time order, the last one at +--drain-timeout.
+    close_plan: list[tuple[float, int]] = field(default_factory=list)
+    dials: DialHistogram = field(default_factory=DialHistogram)
+    # Counters, exported at scrape time; they go when the record goes.
+    total_connections: int = 0
+    connection_errors: int = 0
+    bytes_up: int = 0  # of finished connections
+    bytes_down: int = 0
+    sources: tuple[str, ...] = ()  # the providers listing it (merge.Roles)
+
+    def set_role(self, addr: str, demoted: bool, fx: Effects) -> None:
+        """Demoted to a fallback (a static endpoint discovery does not list) or back."""
+        if self.state.fallback == demoted:
+            return
+        self.state = sm.listed(self.state, fallback=demoted)
+        if demoted:
+            fx.log(logging.INFO, "upstream kept as a fallback upstream=%s reason=%r", addr,
+                   "static endpoint not in discovery's list")
+        else:
+            fx.log(logging.INFO, "upstream fallback over upstream=%s reason=%r", addr,
+                   "listed by discovery")
+
+    def view(self, addr: str, *, readyz: bool, tier: int | None, rtt: float | None
+             ) -> UpstreamView:
+        live = self.conns.values()
+        return UpstreamView.of(
+            addr, self.state, readyz=readyz, tier=tier, rtt=rtt, active=len(self.conns),
+            total=self.total_connections, errors=self.connection_errors,
+            bytes_up=self.bytes_up + sum(c.bytes_up for c in live),
+            bytes_down=self.bytes_down + sum(c.bytes_down for c in live),
+            sources=self.sources, state=self.word, since=self.since,
+            last_check_at=self.last_check_at, draining_reason=_draining_reason(self),
+            close_deadline=_close_deadline(self), admin=self.admin_mark,
+            dials=self.dials.frozen())
+
+
+def started(conn: Tracked) -> float:
+    return conn.started
+
+
+def last_success(rec: Record) -> float:
+    return rec.last_success
+
+
+def _draining_reason(rec: Record) -> str | None:
+    if rec.state.lifecycle is sm.Lifecycle.DRAINING:
+        return "removed"
+    if rec.state.admin_drained:
+        return "admin"
+    if rec.unready_deadline is not None:
+        return "unready"
+    return None
+
+
+def _close_deadline(rec: Record) -> float | None:
+    """When its remaining connections will all have been closed, if that is scheduled."""
+    times = [t for t in (rec.drain_deadline if rec.state.lifecycle is sm.Lifecycle.DRAINING
+                         else None,
+                         rec.unready_deadline,
+                         rec.close_plan[-1][0] if rec.close_plan else None) if t is not None]
+    return min(times) if times else None
+
+
+def readiness_moves(records: dict[str, Record], now: float, drain_timeout: float,
+                    fx: Effects) -> None:
+    """Readiness moves existing connections (spec): start, expire or call off each
+    unready upstream's close deadline, collecting the closes and log lines in ``fx``."""
+    ready = {a for a, r in records.items() if r.state.pickable and r.state.ready}
+    for addr, rec in records.items():
+        rec.unready_deadline, close, what = sm.unready_close(
+            rec.state, bool(ready - {addr}), rec.unready_deadline, now, drain_timeout)
+        if close:
+            conns = list(rec.conns.values())
+            if conns:
+                fx.log(logging.INFO, "closing connections upstream=%s connections=%d "
+                       "reason=%r", addr, len(conns), "unready")
+            fx.close.extend(conns)  # pipes detach themselves when they notice the close
+        elif what == "scheduled" and rec.conns:
+            fx.log(logging.INFO, "upstream unready; closing its connections after drain "
+                   "timeout upstream=%s connections=%d drain_timeout=%gs", addr,
+                   len(rec.conns), drain_timeout)
+        elif what and what != "scheduled":
+            fx.log(logging.INFO, "upstream connection close called off upstream=%s "
+                   "reason=%r", addr, what)

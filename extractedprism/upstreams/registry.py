@@ -1,0 +1,501 @@
+"""The upstream registry: the one RLock that owns every upstream's record.
+
+Every thread reads and changes upstream state only through this object:
+
+* the ticker's probe threads call :meth:`record_probe`;
+* pipe threads call :meth:`pick`, :meth:`record_dial`, :meth:`attach`, :meth:`detach`;
+* discovery calls :meth:`set_endpoints`;
+* the ticker calls :meth:`tick` to expire drain and readiness deadlines;
+* the admin socket calls :meth:`admin_drain`, :meth:`admin_undrain`, :meth:`admin_close`;
+* the health server and the metrics collector read :meth:`snapshot`.
+
+The rules of one upstream's state live in :mod:`extractedprism.upstream` (pure), the
+per-address record in :mod:`extractedprism.records`, the operator actions in the
+:mod:`extractedprism.adminops` mixin; this module owns what needs the lock: the
+address -> record dict, live connections, the counters, the drain and readiness
+deadlines and the panic flag. Fields guarded by
+``self.lock``: ``_ups`` (and everything in each record), ``_panic``, ``_conn_count``,
+``_connections_total``, ``_closing``. Methods never do I/O, logging or callbacks while
+holding it: sockets to close, log lines and change notices are collected in an
+:class:`~extractedprism.upstreams.effects.Effects` under the lock and carried out after it is
+released, so a stalled log handler or a slow close never stalls a pick.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from extractedprism.config.endpoints import Endpoint
+from extractedprism.upstreams import state as sm
+from extractedprism.upstreams.actions import AdminActions
+from extractedprism.upstreams.effects import Change, Effects
+from extractedprism.upstreams.latency import LatencyTiers
+from extractedprism.upstreams.records import Record, Tracked, last_success, readiness_moves, started
+from extractedprism.upstreams.reservation import Reservation
+from extractedprism.upstreams.selection import Candidate, choose, eligible, pick
+from extractedprism.upstreams.snapshot import ConnView, Snapshot
+from extractedprism.upstreams.state import ProbeResult, Readiness
+
+if TYPE_CHECKING:
+    from extractedprism.discovery.merge import Roles
+
+log = logging.getLogger(__name__)
+_STATE = operator.attrgetter("state")
+
+__all__ = ["Change", "ProbeResult", "Readiness", "Registry", "Tracked"]
+
+
+class Registry(AdminActions):
+    """Upstream records, live connections, counters and deadlines behind one RLock."""
+
+    def __init__(
+        self,
+        *,
+        selection: str = "random",
+        readyz: bool = False,
+        drain_timeout: float = 30.0,
+        max_connections: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        on_change: Callable[[Change], None] | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.lock = threading.RLock()
+        self._selection = selection
+        self._latency_mode = selection == "latency"
+        self._readyz = readyz
+        self._drain_timeout = drain_timeout
+        self._max_connections = max_connections
+        self._clock = clock
+        self._wall = wall_clock
+        self._rng = rng or random.Random()
+        self._on_change = on_change
+        self._ups: dict[str, Record] = {}
+        self._latency = LatencyTiers()
+        self._panic = False
+        self._conn_count = 0
+        self._connections_total = 0
+        self._turned_away = 0
+        self._closing = False
+        # The eligible upstreams for a pick, and the key they were computed from (see
+        # _choose_locked; a key of None: not computed yet).
+        self._pool: list[str] = []
+        self._pickable = 0  # how many upstreams are pickable, counted with _pool
+        self._pool_key: tuple[object, ...] | None = None
+
+    def _run(self, fx: Effects) -> None:
+        fx.run(log, self._on_change)
+
+    # -- discovery ----------------------------------------------------------------
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint], roles: Roles | None = None
+                      ) -> None:
+        """Make ``endpoints`` the upstream list: add new ones, drain removed ones.
+
+        ``roles`` (from the merger): each address's providers, and the static ones kept
+        only as a last resort (lifecycle FALLBACK: checked, tried in panic mode, never
+        picked normally)."""
+        wanted = {str(ep): ep for ep in endpoints}
+        sources = roles.sources if roles is not None else {}
+        fallback = roles.fallback if roles is not None else frozenset()
+        fx = Effects()
+        with self.lock:
+            now = self._clock()
+            for addr, ep in wanted.items():
+                rec = self._ups.get(addr)
+                demoted = addr in fallback
+                if rec is None:
+                    rec = self._ups[addr] = Record(endpoint=ep, since=now)
+                    rec.state = sm.listed(rec.state, fallback=demoted)
+                    fx.log(logging.INFO, "upstream added upstream=%s%s", addr,
+                           " fallback=true" if demoted else "")
+                elif rec.state.draining:
+                    rec.state = sm.listed(rec.state, fallback=demoted)
+                    rec.drain_deadline = None
+                    fx.log(logging.INFO, "upstream drain aborted upstream=%s reason=%r", addr,
+                           "re-added")
+                else:
+                    rec.set_role(addr, demoted, fx)
+                rec.sources = tuple(sources.get(addr, ()))
+            for addr, rec in list(self._ups.items()):
+                if addr in wanted or rec.state.draining:
+                    continue
+                rec.state = sm.drain(rec.state)
+                rec.unready_deadline = None
+                if self._drain_timeout <= 0 or not rec.conns:
+                    fx.log(logging.INFO, "upstream removed upstream=%s connections_closed=%d",
+                           addr, len(rec.conns))
+                    fx.close.extend(self._remove_locked(addr))
+                else:
+                    rec.drain_deadline = now + self._drain_timeout
+                    fx.log(logging.INFO, "upstream draining upstream=%s connections=%d "
+                           "drain_timeout=%gs", addr, len(rec.conns), self._drain_timeout)
+            self._update_readiness_deadlines_locked(now, fx)
+            self._update_panic_locked(fx)
+            self._update_words_locked(now)
+            fx.changes.append(Change("endpoints"))
+        self._run(fx)
+
+    def set_roles(self, roles: Roles) -> None:
+        """The same endpoint list with other roles (sources, fallback demotions)."""
+        fx = Effects()
+        with self.lock:
+            for addr, rec in self._ups.items():
+                if rec.state.draining:
+                    continue
+                rec.set_role(addr, addr in roles.fallback, fx)
+                rec.sources = tuple(roles.sources.get(addr, rec.sources))
+            self._update_readiness_deadlines_locked(self._clock(), fx)
+            self._update_panic_locked(fx)
+        self._run(fx)
+
+    def _remove_locked(self, addr: str) -> list[Tracked]:
+        rec = self._ups.pop(addr)
+        self._latency.remove(addr)
+        conns = list(rec.conns.values())
+        self._conn_count -= len(conns)
+        rec.conns.clear()
+        return conns
+
+    # -- selection ----------------------------------------------------------------
+
+    def pick(self, exclude: Iterable[str] = ()) -> Endpoint | None:
+        """The upstream a new connection would get now (no reservation; see reserve)."""
+        with self.lock:
+            addr = self._choose_locked(exclude)
+            return None if addr is None else self._ups[addr].endpoint
+
+    def reserve(self, exclude: Iterable[str] = ()) -> Reservation | None:
+        """Pick the upstream for a new connection and count its dial in flight, so
+        concurrent picks see each other; None when nothing is pickable."""
+        with self.lock:
+            addr = self._choose_locked(exclude)
+            if addr is None:
+                return None
+            rec = self._ups[addr]
+            rec.dialing += 1
+            if exclude:
+                skip = frozenset(exclude)
+                alone = not any(r.state.pickable and a != addr and a not in skip
+                                for a, r in self._ups.items())
+            else:
+                alone = self._pickable <= 1  # counted with the eligible list
+            return Reservation(self.lock, rec, addr, alone=alone)
+
+    def reserve_endpoint(self, endpoint: Endpoint) -> Reservation | None:
+        """Count a dial to ``endpoint`` chosen by panic mode; None if no longer known."""
+        addr = str(endpoint)
+        with self.lock:
+            rec = self._ups.get(addr)
+            if rec is None:
+                return None
+            rec.dialing += 1
+            return Reservation(self.lock, rec, addr, panic=True)
+
+    def _candidates_locked(self) -> list[Candidate]:
+        tier = self._latency.tier if self._latency_mode else None
+        return [Candidate(address=a, healthy=r.state.healthy, draining=r.state.draining,
+                          fallback=r.state.fallback,
+                          ready=r.state.readiness is Readiness.READY,
+                          tier=tier(a) if tier is not None else None,
+                          active=len(r.conns) + r.dialing,
+                          admin_drained=r.state.admin_drained)
+                for a, r in self._ups.items()]
+
+    def _choose_locked(self, exclude: Iterable[str]) -> str | None:
+        if exclude:  # a retry: rare, and the readyz rule applies after the exclusion
+            return choose(self._candidates_locked(), mode=self._selection,
+                          readyz=self._readyz, rng=self._rng, exclude=frozenset(exclude))
+        # Every new connection's pick: the eligible list is kept while the records, their
+        # (frozen, so replaced on change) states and the latency tiers stay the same; the
+        # key costs two C-level tuple builds where the list cost a Candidate per upstream.
+        ups = self._ups
+        key = (tuple(ups), tuple(map(_STATE, ups.values())),
+               self._latency.tier_map if self._latency_mode else None)
+        if key != self._pool_key:
+            candidates = self._candidates_locked()
+            self._pool = [c.address for c in eligible(
+                candidates, mode=self._selection, readyz=self._readyz)]
+            self._pickable = sum(1 for c in candidates if sm.pickable(c))
+        self._pool_key = key  # also when equal: the next comparison is by identity again
+        pool = self._pool
+        if self._selection == "least-conn" and len(pool) > 1:
+            return pick(pool, rng=self._rng,
+                        active=[len(ups[a].conns) + ups[a].dialing for a in pool])
+        return pick(pool, rng=self._rng)
+
+    def any_pickable(self, exclude: Iterable[str] = ()) -> bool:
+        skip = frozenset(exclude)
+        with self.lock:
+            return any(r.state.pickable and a not in skip for a, r in self._ups.items())
+
+    @staticmethod
+    def abandon(reservation: Reservation) -> None:
+        """A reserved upstream was not used after all (its dial failed)."""
+        reservation.release()
+
+    def panic_order(self, exclude: Iterable[str] = ()) -> list[Endpoint]:
+        """Every non-draining upstream, most recently successful first (panic mode)."""
+        skip = frozenset(exclude)
+        with self.lock:
+            recs = [r for a, r in self._ups.items()
+                    if not r.state.draining and not r.state.admin_drained and a not in skip]
+            recs.sort(key=last_success, reverse=True)
+            return [r.endpoint for r in recs]
+
+    def _update_words_locked(self, now: float) -> None:
+        """Recompute each upstream's state word; a change restarts its ``since``."""
+        for rec in self._ups.values():
+            word = sm.state_word(rec.state, closing_unready=rec.unready_deadline is not None)
+            if word != rec.word:
+                rec.word, rec.since = word, now
+
+    def record_no_upstream(self) -> None:
+        """A client was closed because no upstream was available."""
+        with self.lock:
+            self._turned_away += 1
+
+    def _update_panic_locked(self, fx: Effects) -> None:
+        panic = bool(self._ups) and not any(r.state.pickable for r in self._ups.values())
+        if panic != self._panic:
+            self._panic = panic
+            drained = sum(1 for r in self._ups.values() if r.state.admin_drained)
+            if panic and drained:
+                # An operator's drain is kept even in panic: those are not tried.
+                fx.log(logging.WARNING, "panic: no upstream is pickable; new connections try "
+                       "every known upstream an operator has not drained upstreams=%d "
+                       "admin_drained=%d", len(self._ups), drained)
+            elif panic:
+                fx.log(logging.WARNING, "panic: no upstream is healthy; new connections try "
+                       "every known upstream upstreams=%d", len(self._ups))
+            else:
+                fx.log(logging.INFO, "panic over: an upstream is healthy again")
+
+    # -- health -------------------------------------------------------------------
+
+    def record_probe(self, addr: str, result: ProbeResult) -> None:
+        """Feed one health check (TCP, and readyz when enabled) into the state machine."""
+        fx = Effects()
+        with self.lock:
+            rec = self._ups.get(addr)
+            if rec is None or rec.state.lifecycle not in sm.TAKES_CHECKS:
+                return  # checks stop while an upstream drains; removed ones are gone
+            now = self._clock()
+            rec.last_check_at = now
+            if result.ok:
+                rec.last_success = now
+                if self._latency_mode and result.rtt is not None:
+                    self._latency.observe(addr, result.rtt)
+            rec.state, transitions = sm.on_probe(rec.state, result, readyz=self._readyz)
+            fx.transitions(addr, transitions)
+            self._update_readiness_deadlines_locked(now, fx)
+            self._update_panic_locked(fx)
+            self._update_words_locked(now)
+        # No change notice: the probe thread wakes the ticker when it finishes.
+        self._run(fx)
+
+    def record_dial(self, addr: str, ok: bool, reason: str = "", *, count_error: bool = True,
+                    duration: float | None = None) -> None:
+        """A client dial's outcome counts toward the same streak as health checks;
+        ``duration`` (seconds, successful or not) feeds the dial-time histogram."""
+        with self.lock:
+            fx = self._record_dial_locked(addr, ok, reason, count_error, duration)
+        if fx is not None:
+            self._run(fx)
+
+    def _record_dial_locked(self, addr: str, ok: bool, reason: str, count_error: bool,
+                            duration: float | None) -> Effects | None:
+        rec = self._ups.get(addr)
+        if rec is None:
+            return None  # removed: failures are not counted until it is added again
+        if duration is not None:
+            rec.dials.observe(duration)
+        if not ok and count_error:
+            rec.connection_errors += 1
+        if rec.state.draining:
+            return None
+        if ok:
+            rec.last_success = self._clock()
+            if not sm.dial_success_changes(rec.state):
+                return None  # nearly every connection: on_dial would change nothing
+        state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)
+        if state is rec.state:
+            return None  # the common case: nothing to change, nobody to wake
+        rec.state = state
+        now = self._clock()
+        if not ok:
+            rec.last_check_at = now
+        fx = Effects()
+        fx.transitions(addr, transitions)
+        flipped = any(t.health_flipped for t in transitions)
+        if flipped:
+            self._update_readiness_deadlines_locked(now, fx)
+        self._update_panic_locked(fx)
+        self._update_words_locked(now)
+        if probe:
+            fx.changes.append(Change("probe-now", addr))
+        if flipped:
+            fx.changes.append(Change("health", addr))
+        return fx
+
+    # -- readiness-driven connection moves ----------------------------------------
+
+    def _update_readiness_deadlines_locked(self, now: float, fx: Effects) -> None:
+        if self._readyz:
+            readiness_moves(self._ups, now, self._drain_timeout, fx)
+
+    def tick(self) -> float | None:
+        """Expire drain and readiness deadlines; return the next deadline, if any."""
+        fx = Effects()
+        with self.lock:
+            now = self._clock()
+            for addr, rec in list(self._ups.items()):
+                if (rec.state.draining and rec.drain_deadline is not None
+                        and now >= rec.drain_deadline):
+                    fx.log(logging.INFO, "upstream drain timeout; force-closing upstream=%s "
+                           "connections=%d", addr, len(rec.conns))
+                    fx.close.extend(self._remove_locked(addr))
+            self._update_readiness_deadlines_locked(now, fx)
+            for addr, rec in self._ups.items():
+                if rec.close_plan and rec.close_plan[0][0] <= now:
+                    self._run_close_plan_locked(addr, rec, now, fx)
+            self._update_panic_locked(fx)
+            self._update_words_locked(now)
+            deadlines = [d for r in self._ups.values()
+                         for d in (r.drain_deadline, r.unready_deadline,
+                                   r.close_plan[0][0] if r.close_plan else None)
+                         if d is not None]
+        self._run(fx)
+        return min(deadlines) if deadlines else None
+
+    # -- connections --------------------------------------------------------------
+
+    def attach(self, target: Reservation | str, conn: Tracked) -> bool:
+        """Track a connection that just dialed its reserved upstream (the reservation
+        ends here, attached or not); False if the upstream drains or left meanwhile.
+
+        The reservation's dial succeeded: recorded here, in the same lock round trip. A
+        plain address attaches without a reservation and records nothing (tests, tools)."""
+        with self.lock:
+            ok, fx = self._attach_locked(target, conn)
+        if fx is not None:
+            self._run(fx)
+        return ok
+
+    def attach_unjudged(self, res: Reservation, conn: Tracked) -> bool | None:
+        """attach() before the silent-upstream check has judged the dial, so the check
+        and the relay can run as one native call (Pipe.run_judged). Only where the dial's
+        success changes nothing about the upstream (no streak to clear, no readiness to
+        reset: the common case), so a silent verdict recorded after it (Dialer.failed)
+        counts exactly as if the check had come first. None: it would change something;
+        nothing was done, and the caller judges first and then calls attach()."""
+        with self.lock:
+            rec = self._ups.get(res.address)
+            if rec is not None and not rec.state.draining and sm.dial_success_changes(
+                    rec.state):
+                return None
+            ok, fx = self._attach_locked(res, conn)
+        assert fx is None  # a success that changes nothing has no effects
+        return ok
+
+    def _attach_locked(self, target: Reservation | str, conn: Tracked
+                       ) -> tuple[bool, Effects | None]:
+        fx = None
+        if isinstance(target, Reservation):
+            target.take_locked()
+            addr = target.address
+            fx = self._record_dial_locked(addr, True, "", True, target.dial_seconds)
+        else:
+            addr = target
+        rec = self._ups.get(addr)
+        ok = not (rec is None or rec.state.draining or rec.state.admin_drained
+                  or self._closing)
+        if ok:
+            assert rec is not None
+            rec.conns[id(conn)] = conn
+            rec.total_connections += 1
+            self._conn_count += 1
+            self._connections_total += 1
+        return ok, fx
+
+    def detach(self, addr: str, conn: Tracked) -> None:
+        with self.lock:
+            rec = self._ups.get(addr)
+            if rec is None or rec.conns.pop(id(conn), None) is None:
+                return
+            self._conn_count -= 1
+            if rec.close_plan:  # it ended before its admin close came
+                rec.close_plan = [(t, i) for t, i in rec.close_plan if i != id(conn)]
+            rec.bytes_up += conn.bytes_up
+            rec.bytes_down += conn.bytes_down
+            if not (rec.state.draining and not rec.conns):
+                return
+            self._remove_locked(addr)
+        log.info("upstream drained upstream=%s", addr)
+
+    def close_all(self) -> int:
+        """Shutdown: refuse new attaches and force-close every live connection."""
+        fx = Effects()
+        with self.lock:
+            self._closing = True
+            fx.close = [c for r in self._ups.values() for c in r.conns.values()]
+        self._run(fx)
+        return len(fx.close)
+
+    def live_connections(self) -> list[Tracked]:
+        """Every tracked connection, oldest first (the shutdown drain closes them one
+        by one, outside the lock)."""
+        with self.lock:
+            conns = [c for up in self._ups.values() for c in up.conns.values()]
+        conns.sort(key=started)
+        return conns
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    # -- reading --------------------------------------------------------------------
+
+    def probe_targets(self) -> list[Endpoint]:
+        with self.lock:
+            return [r.endpoint for r in self._ups.values()
+                    if r.state.lifecycle in sm.TAKES_CHECKS]
+
+    def snapshot(self, *, connections: bool = False) -> Snapshot:
+        """A frozen copy of every upstream (and, if asked, every live connection)."""
+        with self.lock:
+            latency, readyz = self._latency_mode, self._readyz
+            now, wall = self._clock(), self._wall()
+            views = tuple(
+                r.view(addr, readyz=readyz,
+                       tier=self._latency.tier(addr) if latency else None,
+                       rtt=self._latency.average(addr) if latency else None)
+                for addr, r in sorted(self._ups.items())
+            )
+            conns = tuple(ConnView(c.client, a, c.started, c.bytes_up, c.bytes_down)
+                          for a, r in self._ups.items() for c in r.conns.values()
+                          ) if connections else ()
+            return Snapshot(
+                upstreams=views,
+                connections_active=self._conn_count,
+                max_connections=self._max_connections,
+                panic=self._panic,
+                latency_mode=latency,
+                readyz_mode=readyz,
+                connections_total=self._connections_total,
+                connections=conns,
+                turned_away=self._turned_away,
+                taken_mono=now,
+                taken_wall=wall,
+            )
+
+    def healthy(self) -> bool:
+        """At least one upstream is pickable (the proxy's /readyz)."""
+        with self.lock:
+            return any(r.state.pickable for r in self._ups.values())
