@@ -1,9 +1,22 @@
-"""Errors the command line reports in a sentence of their own."""
+"""The product's exception root, and the errors that belong to no one package.
+
+Every error extractedprism raises on purpose derives from :class:`Error`, so the command
+line can turn any of them into one clear line and an exit status (``exit_status``) without
+knowing each kind, and a caller can tell ours from a bug. An error that is also a kind
+Python code expects (a bad value, an OS failure) keeps that base as well:
+``ConfigError(Error, ValueError)``, ``ListenError(Error, OSError)``.
+"""
 
 from __future__ import annotations
 
 
-class ListenError(OSError):
+class Error(Exception):
+    """An error extractedprism raises on purpose; ``str()`` is the sentence to show."""
+
+    exit_status = 1
+
+
+class ListenError(Error, OSError):
     """A listener could not be opened: says which one (by its flags) and where."""
 
     def __init__(self, flags: str, host: str, port: int, cause: OSError) -> None:

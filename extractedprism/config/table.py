@@ -1,23 +1,25 @@
-"""Configuration: one declarative flag table -> configargparse -> validate() -> Config (pure).
+"""The flag table, its cross-field rules, and the validated ``Config`` derived from it.
 
-Every flag is one :class:`~extractedprism.config.flags.Flag` row: name (and from it the option
-and the EP_ env var), kind (which converter turns the string into a value), default,
-help, and the checks that value must pass. Rules that tie two or more flags together are rows of
-:data:`RULES`. :func:`validate` only walks the two tables, so a flag added as a row is
-converted, checked, shown in ``--help`` and bound to its env var by construction, and
-nothing can skip validation. Every problem is reported at once, each naming the flag
-and the offending value.
+Every flag is one :class:`~extractedprism.config.flags.Flag` row: name (and from it the
+option and the EP_ env var), kind (which converter turns the string into a value),
+default, help, and the checks that value must pass. Rules that tie two or more flags
+together are rows of :data:`RULES`. :func:`validate` only walks the two tables, so a flag
+added as a row is converted, checked, shown in ``--help`` and bound to its env var by
+construction, and nothing can skip validation. Every problem is reported at once, each
+naming the flag and the offending value.
 
-Adding a flag: one ``Flag(...)`` row in :data:`FLAGS` (with its ``checks``), one field
-of :class:`Config` with the same default, and, if it depends on another flag, a
-``Rule(...)`` row in :data:`RULES`.
+:class:`Config` is built from :data:`FLAGS` (one field per row, its default the row's
+default converted by the row's kind), so a default is written once.
+
+Adding a flag: one ``Flag(...)`` row in :data:`FLAGS` (with its ``checks``) and, if it
+depends on another flag, a ``Rule(...)`` row in :data:`RULES`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from extractedprism.config.endpoints import Endpoint
@@ -32,50 +34,40 @@ from extractedprism.config.flags import (
     Check,
     Flag,
     Rule,
-    format_duration,
-    parse_bool,
-    parse_duration,
     show_value,
 )
-from extractedprism.datapath.sched import gil_cpu_valid
-from extractedprism.upstreams.selection import MODES as SELECTION_MODES  # selection owns its modes
+from extractedprism.errors import Error
 
-__all__ = [
-    "AT_LEAST_1",
-    "AT_LEAST_1S",
-    "FLAGS",
-    "FLAG_BY_NAME",
-    "HEALTH_CHECKS",
-    "HOST",
-    "KINDS",
-    "LOG_LEVELS",
-    "NOT_EMPTY",
-    "NOT_NEGATIVE",
-    "PIPE_SCHED_POLICIES",
-    "PORT",
-    "RULES",
-    "SELECTION_MODES",
-    "STATIC_ENDPOINT_MODES",
-    "Check",
-    "Config",
-    "ConfigError",
-    "Flag",
-    "Rule",
-    "format_duration",
-    "parse_bool",
-    "parse_duration",
-    "validate",
-]
-
+# The choices of the flags that take one; the modules that act on a value import the
+# tuple from here, so a choice is spelled in one place.
 LOG_LEVELS = ("debug", "info", "warn", "error", "dpanic", "panic", "fatal")
 LOG_FORMATS = ("logfmt", "json")
 HEALTH_CHECKS = ("tcp", "readyz")
+SELECTION_MODES = ("random", "latency", "least-conn")
 PIPE_SCHED_POLICIES = ("batch", "normal")
 RELAYS = ("auto", "native", "python")
 STATIC_ENDPOINT_MODES = ("always", "fallback")
 
 
-class ConfigError(ValueError):
+def allowed_cpus() -> set[int] | None:
+    """The CPUs this process may run on (None where the platform cannot tell)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def gil_cpu_valid(value: str) -> bool:
+    """--gil-cpu: auto, off, or a CPU this process may run on."""
+    if value in ("auto", "off"):
+        return True
+    if not value.isdigit():
+        return False
+    allowed = allowed_cpus()
+    return allowed is None or int(value) in allowed
+
+
+class ConfigError(Error, ValueError):
     """Invalid configuration; ``problems`` lists every message."""
 
     def __init__(self, problems: Sequence[str]) -> None:
@@ -324,45 +316,40 @@ RULES: tuple[Rule, ...] = (
 # --- the validated configuration ---------------------------------------------
 
 
-@dataclass(frozen=True)
-class Config:
-    """Validated, immutable configuration. Durations are float seconds."""
+# A kind's Python type, for the Config field of a flag of that kind.
+_FIELD_TYPES: dict[str, Any] = {
+    "str": str, "int": int, "duration": float, "bool": bool, "choice": str,
+    "endpoints": tuple[Endpoint, ...], "path": str,
+}
 
-    endpoints: tuple[Endpoint, ...]
-    bind_address: str = "127.0.0.1"
-    bind_port: int = 7445
-    health_port: int = 7446
-    health_bind_address: str = "127.0.0.1"
-    health_interval: float = 20.0
-    health_timeout: float = 15.0
-    enable_discovery: bool = True
-    log_level: str = "info"
-    liveness_interval: float = 5.0
-    liveness_threshold: float = 15.0
-    drain_timeout: float = 30.0
-    upstream_selection: str = "random"
-    health_check: str = "tcp"
-    health_check_ca_file: str = ""
-    health_check_cert_file: str = ""
-    health_check_key_file: str = ""
-    health_check_token_file: str = ""
-    health_check_server_name: str = "kubernetes.default.svc"
-    kubeconfig: str = ""
-    max_connections: int = 4096
-    pipe_sched: str = "batch"
-    gil_cpu: str = "auto"
-    relay: str = "auto"
-    dial_hedge_delay: float = 0.25
-    handover_socket: str = ""
-    shutdown_drain_timeout: float = 0.0
-    state_file: str = ""
-    static_endpoints: str = "always"
-    log_format: str = "logfmt"
-    admin_socket: str = ""
+
+def _field_default(flag: Flag) -> object:
+    """A row's default as its kind converts it (a ``same_as`` row: its source's)."""
+    source = FLAG_BY_NAME[flag.same_as] if flag.same_as else flag
+    assert source.default is not None, f"flag {source.name}: no default"
+    return KINDS[source.kind](source, source.default)
+
+
+class _ConfigMethods:
+    __slots__ = ()
 
     def replace(self, **changes: object) -> Config:
         """A copy with some fields changed (tests and tools; no re-validation)."""
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+def _make_config() -> type:
+    required = [(f.dest, _FIELD_TYPES[f.kind]) for f in FLAGS if f.required]
+    optional = [(f.dest, _FIELD_TYPES[f.kind], dataclasses.field(default=_field_default(f)))
+                for f in FLAGS if not f.required]
+    return dataclasses.make_dataclass(
+        "Config", [*required, *optional], bases=(_ConfigMethods,), frozen=True,
+        namespace={"__doc__": "Validated, immutable configuration: one field per flag (by "
+                   "its dest), durations in float seconds.",
+                   "__module__": __name__})
+
+
+Config: Any = _make_config()
 
 
 def validate(values: Mapping[str, str | None]) -> Config:
@@ -414,4 +401,4 @@ def validate(values: Mapping[str, str | None]) -> Config:
 
     if problems:
         raise ConfigError(problems)
-    return Config(**out)  # type: ignore[arg-type]
+    return Config(**out)

@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 import os
 
-log = logging.getLogger(__name__)
+from extractedprism.config.table import allowed_cpus
 
-POLICIES = ("batch", "normal")
+log = logging.getLogger(__name__)
 
 _warned: set[str] = set()  # what was refused already: one warning each, per process
 
@@ -76,24 +76,6 @@ def apply_to_current_thread(name: str) -> bool:
 # is let out to every CPU after _relay.UNPIN_AFTER_WAKEUPS relay wake-ups (_relay.c; the
 # pure-Python relay, being GIL-bound, stays): without that, 64 keep-alive connections
 # on one CPU took keep-alive p99 from 4.8 ms to 87 ms.
-
-
-def gil_cpu_valid(value: str) -> bool:
-    """--gil-cpu: auto, off, or a CPU this process may run on."""
-    if value in ("auto", "off"):
-        return True
-    if not value.isdigit():
-        return False
-    allowed = allowed_cpus()
-    return allowed is None or int(value) in allowed
-
-
-def allowed_cpus() -> set[int] | None:
-    """The CPUs this process may run on (None where the platform cannot tell)."""
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
 
 
 def gil_cpu_plan(value: str) -> tuple[int, set[int]] | None:

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from extractedprism import __version__
+from extractedprism.config.parser import build_parser as server_parser
+from extractedprism.config.parser import join_dash_values
 from extractedprism.config.table import FLAGS, Config, ConfigError, validate
 
 # This project's image, named as scripts/image names it and as the chart's values.yaml
@@ -74,8 +76,6 @@ _CHOWN_SCRIPT = (
 
 
 def build_parser() -> Any:
-    from extractedprism.cli import build_parser as server_parser
-
     parser = server_parser()
     parser.prog = "extractedprism static-pod"
     parser.description = (
@@ -221,9 +221,7 @@ def warnings(config: Config) -> list[str]:
 
 def render(argv: Sequence[str]) -> tuple[dict[str, Any], Config]:
     """Parse and validate like the server; raise ConfigError with every problem."""
-    from extractedprism.cli import _join_dash_values
-
-    ns = vars(build_parser().parse_args(_join_dash_values(list(argv))))
+    ns = vars(build_parser().parse_args(join_dash_values(list(argv))))
     image = str(ns.pop("image") or "").strip()
     problems: list[str] = []
     config: Config | None = None

@@ -26,7 +26,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from extractedprism.config.table import FLAG_BY_NAME, parse_duration
+from extractedprism.config.flags import parse_duration
+from extractedprism.config.table import FLAG_BY_NAME
 
 READY, NOT_READY, UNREACHABLE = 0, 1, 2
 COLUMNS = ("ADDRESS", "SOURCE", "STATE", "READY", "TIER", "RTT", "CONNS", "SINCE", "ADMIN",

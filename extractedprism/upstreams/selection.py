@@ -24,9 +24,8 @@ import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from extractedprism.config.table import SELECTION_MODES
 from extractedprism.upstreams.state import pickable
-
-MODES = ("random", "latency", "least-conn")
 
 
 # Not frozen: a frozen dataclass's __init__ goes through object.__setattr__ per field,
@@ -48,7 +47,7 @@ def eligible(candidates: Sequence[Candidate], *, mode: str, readyz: bool,
     """Every rule of the pick but least-conn's, which depends on live counts: what a
     pick may return, in the candidates' order. The registry keeps this list between
     state changes instead of building it for every connection."""
-    if mode not in MODES:
+    if mode not in SELECTION_MODES:
         raise ValueError(f"unknown selection mode {mode!r}")
     pool = [c for c in candidates
             if pickable(c) and (not exclude or c.address not in exclude)]

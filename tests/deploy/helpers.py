@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from extractedprism.config.table import FLAGS, Flag
+from extractedprism.config.flags import Flag
+from extractedprism.config.table import FLAGS
 from tests.util import ROOT
 
 CHART_DIR = ROOT / "chart" / "extractedprism"

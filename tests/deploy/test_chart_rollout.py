@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from extractedprism.config.table import parse_duration
+from extractedprism.config.flags import parse_duration
 from tests.deploy.helpers import container, env_of, render
 from tests.fakes.upstream import IdentityServer
 from tests.process.lifecycle import (

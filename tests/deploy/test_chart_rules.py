@@ -170,7 +170,7 @@ def test_discovery_defaults_to_readyz_with_the_service_account_ca(unchecked_char
     ("0s", 11, True),
 ])
 def test_termination_grace_exceeds_the_drain_window(drain, grace, ok) -> None:
-    from extractedprism.config.table import parse_duration
+    from extractedprism.config.flags import parse_duration
 
     values = {"endpoints": ENDPOINTS, "shutdownDrainTimeout": drain,
               "terminationGracePeriodSeconds": grace}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from extractedprism.config.table import parse_duration
+from extractedprism.config.flags import parse_duration
 from tests.deploy.helpers import (
     CONTAINERFILE,
     container,

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from extractedprism.config.table import FLAG_BY_NAME, parse_duration
+from extractedprism.config.flags import parse_duration
+from extractedprism.config.table import FLAG_BY_NAME
 from tests.deploy.helpers import CONTAINERFILE, container, containerfile_stages, env_of, render
 from tests.fakes.upstream import FakeUpstream
 from tests.util import ROOT, free_ports, wait_until

@@ -8,13 +8,13 @@ import threading
 
 import pytest
 
-from extractedprism.config.table import FLAGS, ConfigError, validate
+from extractedprism.config.table import FLAGS, ConfigError, allowed_cpus, validate
 from extractedprism.datapath import sched
 from tests.fakes.upstream import EchoServer
 from tests.net.test_proxy import relay_app
 from tests.util import connect, wait_until
 
-ALLOWED = sched.allowed_cpus() or set()
+ALLOWED = allowed_cpus() or set()
 needs_two = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs to pin to one")
 UNPIN_AFTER = 16  # _relay.UNPIN_AFTER_WAKEUPS, restated so a change to it is noticed
 

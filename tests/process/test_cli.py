@@ -13,7 +13,7 @@ from typing import IO
 
 import pytest
 
-from extractedprism.cli import unknown_env_vars
+from extractedprism.config.parser import unknown_env_vars
 from extractedprism.config.table import FLAGS
 from tests.fakes.upstream import IdentityServer
 from tests.logcheck import parse_logfmt

@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 
 from extractedprism.config.endpoints import Endpoint, parse_endpoint
-from extractedprism.config.table import (
-    FLAGS,
-    ConfigError,
-    format_duration,
-    parse_bool,
-    parse_duration,
-    validate,
-)
+from extractedprism.config.flags import format_duration, parse_bool, parse_duration
+from extractedprism.config.table import FLAGS, ConfigError, validate
 
 OK = {"endpoints": "10.0.0.1:6443"}
 
@@ -213,7 +207,8 @@ def test_bad_bind_address_is_reported_once():
 
 
 def test_every_flag_has_a_converter_and_every_rule_names_real_flags():
-    from extractedprism.config.table import KINDS, RULES
+    from extractedprism.config.flags import KINDS
+    from extractedprism.config.table import RULES
     dests = {f.dest for f in FLAGS}
     assert all(f.kind in KINDS for f in FLAGS)
     for rule in RULES:
@@ -225,7 +220,8 @@ def test_a_new_flag_row_is_validated_by_its_own_checks():
     import dataclasses
 
     from extractedprism.config import table as cfg
-    row = cfg.Flag("extra-port", "int", "1", "test", checks=(cfg.PORT,))
+    from extractedprism.config.flags import PORT, Flag
+    row = Flag("extra-port", "int", "1", "test", checks=(PORT,))
     fields = [(f.name, f.type, f) for f in dataclasses.fields(cfg.Config)]
     extended = dataclasses.make_dataclass(
         "C2", [(n, t, dataclasses.field(default=f.default)) if f.default is not
@@ -242,3 +238,25 @@ def test_a_new_flag_row_is_validated_by_its_own_checks():
     finally:
         cfg.FLAGS, cfg.Config = orig_flags, orig_config
         del cfg.FLAG_BY_NAME[row.name]
+
+
+def test_config_is_the_flag_table_one_field_per_row_with_its_default():
+    # Defaults are written once, in FLAGS: Config's fields and defaults come from it.
+    import dataclasses
+
+    from extractedprism.config.flags import KINDS
+    from extractedprism.config.table import FLAG_BY_NAME, Config
+
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    assert list(fields) == [f.dest for f in FLAGS if f.required] + [
+        f.dest for f in FLAGS if not f.required]
+    for flag in FLAGS:
+        field = fields[flag.dest]
+        if flag.required:
+            assert field.default is dataclasses.MISSING
+            continue
+        source = FLAG_BY_NAME[flag.same_as] if flag.same_as else flag
+        assert field.default == KINDS[source.kind](source, source.default), flag.name
+    # validate() with only the required flag gives exactly Config's defaults.
+    assert validate(dict(OK)) == Config(endpoints=validate(dict(OK)).endpoints)
+    assert Config(endpoints=()).replace(bind_port=1).bind_port == 1

@@ -129,5 +129,6 @@ def test_wheel_builds_with_and_without_a_working_compiler(tmp_path: Path, cc: st
     assert res.returncode == 0, res.stderr[-2000:]
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    has_ext = any(n.startswith("extractedprism/datapath/_relay") and n.endswith(".so") for n in names)
+    has_ext = any(n.startswith("extractedprism/datapath/_relay") and n.endswith(".so")
+                  for n in names)
     assert has_ext == (cc is None), names

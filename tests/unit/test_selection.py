@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extractedprism.upstreams.selection import MODES, Candidate, choose
+from extractedprism.config.table import SELECTION_MODES as MODES
+from extractedprism.upstreams.selection import Candidate, choose
 
 
 def c(address: str, *, healthy: bool = True, draining: bool = False, ready: bool = True,
