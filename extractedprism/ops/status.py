@@ -28,6 +28,7 @@ from typing import Any
 
 from extractedprism.config.flags import parse_duration
 from extractedprism.config.table import FLAG_BY_NAME
+from extractedprism.errors import Error
 
 READY, NOT_READY, UNREACHABLE = 0, 1, 2
 COLUMNS = ("ADDRESS", "SOURCE", "STATE", "READY", "TIER", "RTT", "CONNS", "SINCE", "ADMIN",
@@ -35,7 +36,7 @@ COLUMNS = ("ADDRESS", "SOURCE", "STATE", "READY", "TIER", "RTT", "CONNS", "SINCE
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
-class Unreachable(Exception):
+class Unreachable(Error):
     """The health server did not answer usefully; the message says why."""
 
 
