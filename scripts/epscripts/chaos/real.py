@@ -32,18 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from epscripts.chaos.bounds import DRAIN, INTERVAL, TIMEOUT
+from epscripts.controlplane import host as cphost
+from epscripts.controlplane.plane import ControlPlane, down_stale
+from tests.controlplane import harness
+from tests.controlplane.harness import Load, Sampler, Watcher, Writer, mono
 
-import controlplane as cpmod  # noqa: E402
-
-from tests.controlplane import harness  # noqa: E402
-from tests.controlplane.harness import Load, Sampler, Watcher, Writer, mono  # noqa: E402
-
-INTERVAL = 2.0  # --health-interval
-TIMEOUT = 1.0  # --health-timeout (the dial timeout)
-DRAIN = 2.0  # --drain-timeout
+# The proxy's timing flags are the local run's (bounds.py); the slack is larger here.
 SLACK = 1.5  # once per bound: sampling period, process start, a shared 2-core machine
 ETCD_OUTAGE = 10.0
 
@@ -84,13 +79,13 @@ class Run:
 
     def setup(self) -> None:
         t0 = mono()
-        cpmod.cpbuild.build()
-        self.cp = cpmod.ControlPlane.create(owner_pid=os.getpid())
+        cphost.cpbuild.build()
+        self.cp = ControlPlane.create(owner_pid=os.getpid())
         took = self.cp.up()
         cp = self.cp
-        print(f"control plane: kube-apiserver {cpmod.cpbuild.KUBERNETES_VERSION}, etcd "
-              f"{cpmod.cpbuild.ETCD_VERSION}, up in {took:.1f} s; "
-              + ", ".join(f"{a}={cp.endpoint(a)}" for a in cpmod.APISERVERS)
+        print(f"control plane: kube-apiserver {cphost.cpbuild.KUBERNETES_VERSION}, etcd "
+              f"{cphost.cpbuild.ETCD_VERSION}, up in {took:.1f} s; "
+              + ", ".join(f"{a}={cp.endpoint(a)}" for a in cphost.APISERVERS)
               + f"; etcd {cp.ip('etcd')} (run {cp.id}, subnet {cp.state['subnet']})", flush=True)
         self.proxy = harness.start_proxy(
             cp, self.work, interval=INTERVAL, timeout=TIMEOUT, drain=f"{DRAIN:g}s",
@@ -360,11 +355,11 @@ SCHEDULE = (ev_kill, ev_freeze, ev_partition, ev_term, ev_etcd)
 
 
 def main(args: argparse.Namespace) -> int:
-    why = cpmod.missing_prerequisites()
+    why = cphost.missing_prerequisites()
     if why:
         print(f"SKIP --control-plane real: {why}", flush=True)
         return 2
-    for line in cpmod.down_stale():
+    for line in down_stale():
         print(line)
     run = Run(args)
 

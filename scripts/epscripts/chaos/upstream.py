@@ -27,12 +27,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import trustme
 
-import trustme  # noqa: E402
-
-from tests.fakes.upstream import FakeUpstream  # noqa: E402
+from tests.fakes.upstream import FakeUpstream
 
 _out_lock = threading.Lock()
 
