@@ -192,30 +192,25 @@ def cleanup(h: Harness, keep: bool) -> None:
     # A second Ctrl-C must not cut the clean-up short.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # Each step on its own: a failure in one must not leave the others behind.
+    # In this order (the load stops before its upstreams go, the partition heals before
+    # its upstream is signalled), and each step on its own: a failure in one must not
+    # leave the others behind.
+    steps: list[Callable[[], object]] = []
     if h.load is not None:
-        with contextlib.suppress(Exception):
-            h.load.stop.set()
+        steps.append(h.load.stop.set)
     if h.monitor is not None:
-        h.monitor.halt.set()
+        steps.append(h.monitor.halt.set)
     if h.netns is not None:
-        with contextlib.suppress(Exception):
-            h.netns.heal()
-    for up in h.ups.values():
-        with contextlib.suppress(Exception):
-            up.terminate()
-    if h.proxy is not None:
-        with contextlib.suppress(Exception):
-            h.proxy.stop()
-    if h.api is not None:
-        with contextlib.suppress(Exception):
-            h.api.stop()
+        steps.append(h.netns.heal)
+    steps += [up.terminate for up in h.ups.values()]
+    steps += [x.stop for x in (h.proxy, h.api) if x is not None]
     if h.netns is not None:
-        with contextlib.suppress(Exception):
-            h.netns.cleanup()
+        steps.append(h.netns.cleanup)
     if h.load is not None:
+        steps.append(h.load.finish)
+    for step in steps:
         with contextlib.suppress(Exception):
-            h.load.finish()
+            step()
     if keep:
         print(f"logs kept in {h.tmp}", flush=True)
     else:

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Callable
 
-from epscripts.chaos.bounds import DRAIN, EXCLUDE_BOUND, INTERVAL, SLACK, TIMEOUT, UNREADY_CLOSE
-from epscripts.chaos.harness import Harness, Outcome, fmt, last_close_after, picked_after, run_event
+from epscripts.chaos.bounds import (
+    DRAIN,
+    EXCLUDE_BOUND,
+    INTERVAL,
+    SLACK,
+    TIMEOUT,
+    UNREADY_CLOSE,
+    check_excluded,
+    fmt,
+)
+from epscripts.chaos.harness import Harness, Outcome, last_close_after, picked_after, run_event
 from epscripts.chaos.load import Attempt, mono
+from epscripts.chaos.procs import UpstreamProc
 from tests.fakes.fake_apiserver import make_slice
 
 
@@ -56,6 +67,24 @@ def _excluded_at(h: Harness, addr: str, t0: float) -> float | None:
     return min(times) if times else None
 
 
+def _check_excluded(h: Harness, up: UpstreamProc, out: Outcome, tag: str) -> None:
+    t = _excluded_at(h, up.address, out.t0)
+    took = None if t is None else t - out.t0
+    out.lines.append(f"excluded (proxy log): {fmt(took)}")
+    check_excluded(out, tag, took, SLACK)
+
+
+def _left_after(h: Harness, out: Outcome, window: list[Attempt], up: UpstreamProc, t: float,
+                tag: str, since: str) -> tuple[int, int, float]:
+    """Checks that no new connection went to ``up`` after ``t`` (when the proxy marked it);
+    returns its long-lived connections then, how many of them never moved, and when the
+    last one closed, for the caller's own bound."""
+    late = picked_after(window, up.name, t, out.t_recover)
+    out.check(not late, f"{tag}: no new connection went to it {since} ({len(late)} did)")
+    _moved, n, not_moved = h.moved_after(up.name, t, out.t_recover)
+    return n, not_moved, last_close_after(h, up.name, t)
+
+
 def _wait_checks(out: Outcome, window: list[Attempt], base: float, tag: str) -> None:
     served = [a for a in window if a.ok and a.first_byte is not None
               and a.connected is not None and a.start < out.t_recover]
@@ -67,15 +96,24 @@ def _wait_checks(out: Outcome, window: list[Attempt], base: float, tag: str) -> 
               f"baseline handshake + {SLACK:g} s slack)")
 
 
-def ev_freeze(h: Harness, hold: float) -> Outcome:
-    up = h.ups["b"]
+def _signals(up: UpstreamProc, on: int, off: int
+             ) -> tuple[Callable[[], float], Callable[[], None]]:
+    """An event's inject (send ``on``, say when) and recover (send ``off``)."""
 
     def inject() -> float:
-        up.signal(signal.SIGSTOP)
+        up.signal(on)
         return mono()
 
     def recover() -> None:
-        up.signal(signal.SIGCONT)
+        up.signal(off)
+
+    return inject, recover
+
+
+def ev_freeze(h: Harness, hold: float) -> Outcome:
+    up = h.ups["b"]
+
+    inject, recover = _signals(up, signal.SIGSTOP, signal.SIGCONT)
 
     def held(out: Outcome) -> bool:
         t = _excluded_at(h, up.address, out.t0)
@@ -83,12 +121,7 @@ def ev_freeze(h: Harness, hold: float) -> Outcome:
             all(a.end is not None for a in h.attempts() if a.start >= out.t0 and not a.ok)
 
     def analyse(h: Harness, out: Outcome, window: list[Attempt], base: float) -> None:
-        t = _excluded_at(h, up.address, out.t0)
-        out.lines.append(f"excluded (proxy log): {fmt(None if t is None else t - out.t0)}")
-        out.check(t is not None and t - out.t0 <= EXCLUDE_BOUND + SLACK,
-                  f"freeze: excluded within two intervals plus one timeout "
-                  f"({fmt(None if t is None else t - out.t0)} <= {EXCLUDE_BOUND:g} s "
-                  f"+ {SLACK:g} s slack)")
+        _check_excluded(h, up, out, "freeze")
         _wait_checks(out, window, base, "freeze")
         stuck = [a for a in window if not a.ok and a.start < out.t_recover]
         released = max((a.end - out.t0 for a in stuck if a.end is not None), default=0.0)
@@ -109,12 +142,8 @@ def ev_freeze(h: Harness, hold: float) -> Outcome:
 def ev_readyz(h: Harness, hold: float) -> Outcome:
     up = h.ups["a"]
 
-    def inject() -> float:
-        up.signal(signal.SIGUSR1)
-        return mono()
-
-    def recover() -> None:
-        up.signal(signal.SIGUSR2)
+    # chaos/upstream.py: SIGUSR1 turns its /readyz to 500, SIGUSR2 back to 200.
+    inject, recover = _signals(up, signal.SIGUSR1, signal.SIGUSR2)
 
     def held(out: Outcome) -> bool:
         assert h.proxy is not None
@@ -133,11 +162,8 @@ def ev_readyz(h: Harness, hold: float) -> Outcome:
             out.check(False, "readyz-500: the proxy marked it unready (after its second "
                       "failed probe)")
             return
-        late = picked_after(window, up.name, tu, out.t_recover)
-        out.check(not late, f"readyz-500: no new connection went to it after its second "
-                  f"failed probe ({len(late)} did)")
-        _moved, n, not_moved = h.moved_after(up.name, tu, out.t_recover)
-        closed = last_close_after(h, up.name, tu)
+        n, not_moved, closed = _left_after(h, out, window, up, tu, "readyz-500",
+                                           "after its second failed probe")
         bound = UNREADY_CLOSE + SLACK
         ok = not_moved == 0 and closed <= bound
         out.check(ok, f"readyz-500: its {n} long-lived connections were closed within "
@@ -183,11 +209,8 @@ def ev_slice(h: Harness, hold: float) -> Outcome:
         if t is None:
             out.check(False, "slice-removal: the proxy drained the removed endpoint")
             return
-        late = picked_after(window, up.name, t, out.t_recover)
-        out.check(not late, f"slice-removal: no new connection went to it once it drained "
-                  f"({len(late)} did)")
-        _moved, n, not_moved = h.moved_after(up.name, t, out.t_recover)
-        closed = last_close_after(h, up.name, t)
+        n, not_moved, closed = _left_after(h, out, window, up, t, "slice-removal",
+                                           "once it drained")
         bound = DRAIN + INTERVAL + SLACK
         out.check(not_moved == 0 and closed <= bound,
                   f"slice-removal: its {n} long-lived connections were closed within "
@@ -214,12 +237,7 @@ def ev_partition(h: Harness, hold: float) -> Outcome:
         return _excluded_at(h, up.address, out.t0) is not None
 
     def analyse(h: Harness, out: Outcome, window: list[Attempt], base: float) -> None:
-        t = _excluded_at(h, up.address, out.t0)
-        out.lines.append(f"excluded (proxy log): {fmt(None if t is None else t - out.t0)}")
-        out.check(t is not None and t - out.t0 <= EXCLUDE_BOUND + SLACK,
-                  f"partition: excluded within two intervals plus one timeout "
-                  f"({fmt(None if t is None else t - out.t0)} <= {EXCLUDE_BOUND:g} s "
-                  f"+ {SLACK:g} s slack)")
+        _check_excluded(h, up, out, "partition")
         failed = [a for a in window if not a.ok and a.start < out.t_recover]
         out.check(not failed, f"partition: zero failed new connections (dial timeout, then "
                   f"retry; {len(failed)} failed)")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import trustme
 
-from epscripts.chaos.bounds import CLIENT_TIMEOUT, DRAIN, INTERVAL, TIMEOUT, TOTAL
+from epscripts.chaos.bounds import CLIENT_TIMEOUT, DRAIN, INTERVAL, TIMEOUT, TOTAL, fmt
 from epscripts.chaos.load import Attempt, Load, Recorder, mono
 from epscripts.chaos.netns import Netns
 from epscripts.chaos.procs import Monitor, ProxyProc, UpstreamProc
@@ -40,10 +40,6 @@ class Outcome:
 
     def check(self, ok: bool, text: str) -> None:
         self.checks.append(Check(ok, text))
-
-
-def fmt(t: float | None) -> str:
-    return "never" if t is None else f"+{t:.2f} s"
 
 
 class Harness:

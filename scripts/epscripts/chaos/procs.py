@@ -21,7 +21,7 @@ import logfmtkv
 
 from epscripts.chaos.bounds import POLL
 from epscripts.chaos.load import mono
-from epscripts.common import ROOT, child_env, python_module
+from epscripts.common import ROOT, child_env, python_module, stop_process
 
 
 def _reader_thread(name: str, stream: Any, on_line: Callable[[str], None]) -> threading.Thread:
@@ -105,12 +105,7 @@ class UpstreamProc:
             with contextlib.suppress(OSError):
                 p.send_signal(signal.SIGCONT)
             self.stopped = False
-        p.terminate()
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+        stop_process(p, 5.0, kill_timeout=5.0)
 
 
 _SKIP_KEYS = ("ts", "level", "logger", "msg", "thread", "stacktrace")
@@ -204,13 +199,7 @@ class ProxyProc:
         return st
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 15.0, kill_timeout=5.0)
         self._reader.join(5)
         self._log.close()
 
