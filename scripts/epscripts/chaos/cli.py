@@ -1,6 +1,6 @@
 """Local chaos harness: kill, freeze, unready, remove and partition API servers on one machine.
 
-Three API-server-like TLS upstreams (scripts/chaos_upstream.py, each its own process),
+Three API-server-like TLS upstreams (chaos/upstream.py, each its own process),
 a fake kube-apiserver serving the ``kubernetes`` EndpointSlice (in this process), and
 extractedprism in front with ``--health-check=readyz`` and discovery through that fake
 API server. A bounded client load runs through the proxy the whole time, on loopback:
@@ -55,7 +55,7 @@ def main() -> int:
     ap.add_argument("--control-plane", choices=("standin", "real"), default="standin",
                     help="standin: the upstreams above (default); real: etcd and three "
                     "kube-apiservers of scripts/controlplane, with its own schedule "
-                    "(scripts/chaos_real.py; needs root, ip netns and the built binaries)")
+                    "(chaos/real.py; needs root, ip netns and the built binaries)")
     args = ap.parse_args()
     if args.duration <= 0 or args.duration > 24 * 3600:
         ap.error("--duration must be in (0, 86400] seconds")

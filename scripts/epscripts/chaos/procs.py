@@ -36,7 +36,7 @@ def _read_lines(stream: Any, on_line: Callable[[str], None]) -> None:
 
 
 class UpstreamProc:
-    """One scripts/chaos_upstream.py process."""
+    """One epscripts.chaos.upstream process."""
 
     def __init__(self, name: str, host: str, port: int, ca_cert: Path, ca_key: Path,
                  netns: str | None = None) -> None:
