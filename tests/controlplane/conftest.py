@@ -19,7 +19,6 @@ no Go to build them). ``scripts/test`` builds the binaries first (cached).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -34,11 +33,12 @@ import pytest
 from tests.controlplane import harness
 from tests.util import ROOT, wait_until
 
-_spec = importlib.util.spec_from_file_location("controlplane", ROOT / "scripts" / "controlplane.py")
-assert _spec is not None and _spec.loader is not None
-cpmod = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("controlplane", cpmod)
-_spec.loader.exec_module(cpmod)
+# The control plane is a package under scripts/ (scripts/controlplane runs it the same way).
+if str(ROOT / "scripts") not in sys.path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+from epscripts.controlplane import build as cpbuild
+from epscripts.controlplane import host as cphost
+from epscripts.controlplane import plane as cpmod
 
 # The proxy's timing flags; every bound in the tests is computed from these.
 INTERVAL = 2.0  # --health-interval
@@ -56,10 +56,10 @@ def record(test: str, **figures: Any) -> None:
 
 
 def why_not() -> str | None:
-    why = cpmod.missing_prerequisites()
+    why = cphost.missing_prerequisites()
     if why:
         return why
-    missing = cpmod.cpbuild.missing()
+    missing = cpbuild.missing()
     if missing:
         # Not built inside a test: the first build takes minutes (scripts/test builds first).
         return (f"control-plane binaries not built ({', '.join(missing)}): run "
@@ -76,7 +76,7 @@ def control_plane() -> Iterator[Any]:
         t0 = time.monotonic()
         cp.up()
         record("control plane", up_seconds=round(time.monotonic() - t0, 1),
-               kubernetes=cpmod.cpbuild.KUBERNETES_VERSION, etcd=cpmod.cpbuild.ETCD_VERSION)
+               kubernetes=cpbuild.KUBERNETES_VERSION, etcd=cpbuild.ETCD_VERSION)
         yield cp
     finally:
         cp.down()
@@ -92,14 +92,14 @@ def stop_background_clients() -> Iterator[None]:
 @pytest.fixture
 def cluster(control_plane: Any) -> Any:
     cp = control_plane
-    for api in cpmod.APISERVERS:
+    for api in cphost.APISERVERS:
         cp.heal(api)
     if not cp.running("etcd"):
         cp.etcd_up()
-    for api in cpmod.APISERVERS:
+    for api in cphost.APISERVERS:
         if cp.pid(api) is not None:
             cp.cont(api)
-    for api in cpmod.APISERVERS:
+    for api in cphost.APISERVERS:
         if cp.running(api) and cp.extra_args(api):  # a test's special flags: back to defaults
             cp.term(api)
             cp.wait_exit(api, 90)
@@ -117,7 +117,7 @@ def namespace(cluster: Any) -> Iterator[str]:
                                          "metadata": {"name": name}})
     assert status == 201, (status, body)
     yield name
-    for api in cpmod.APISERVERS:
+    for api in cphost.APISERVERS:
         try:
             if cluster.request(api, f"/api/v1/namespaces/{name}", method="DELETE",
                                timeout=5)[0] in (200, 202, 404):
@@ -164,7 +164,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     tr.section("control-plane figures (scripts/controlplane; bounds derived from flags)")
     for test, figs in FIGURES.items():
         tr.write_line(f"{test}: " + ", ".join(f"{k}={v}" for k, v in figs.items()))
-    out = os.environ.get("EP_CONTROLPLANE_REPORT") or str(cpmod.state_root() / "last-report.json")
+    out = os.environ.get("EP_CONTROLPLANE_REPORT") or str(cphost.state_root() / "last-report.json")
     try:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(FIGURES, indent=1) + "\n")

@@ -1,4 +1,4 @@
-"""Helpers for the node-lifecycle tests and scripts/measure_handover: real proxy
+"""Helpers for the node-lifecycle tests and scripts/bench handover: real proxy
 processes on fixed ports, a client loop that opens a new connection every few ms, and
 long-lived connections whose close times are recorded."""
 

@@ -24,8 +24,9 @@ def _collect(stream: IO[str], into: list[str]) -> None:
 def test_demo_prints_a_kill_command_and_the_status_follows_the_failover():
     bind, health = free_ports(2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
+    env["PYTHONPATH"] = str(ROOT / "scripts")  # as scripts/demo runs it
     proc = subprocess.Popen(
-        [PYTHON, str(ROOT / "scripts" / "demo.py"), "--seconds", "60", "--interval", "0.5",
+        [PYTHON, "-m", "epscripts.demo", "--seconds", "60", "--interval", "0.5",
          "--bind-port", str(bind), "--health-port", str(health)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env,
         start_new_session=True)  # its own group: a failed test can end its children too

@@ -1,6 +1,6 @@
 """Measure what clients see while one extractedprism instance replaces another.
 
-Run from the repository root: ``.venv/bin/python scripts/measure_handover.py``. Every
+Run as ``scripts/bench handover``. Every
 method runs two real proxy processes on one pair of loopback ports, in front of a local
 identity upstream, while a client opens a new connection every 5 ms (connect, read the
 upstream's greeting, close) and 20 long-lived connections sit on the old instance:
@@ -27,8 +27,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.fakes.upstream import IdentityServer
 from tests.process.lifecycle import (
@@ -189,8 +187,9 @@ def run_reuseport(clients: int, every: float) -> None:
                 p.stdout.close()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="scripts/bench handover",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", default="fd,bare")
     ap.add_argument("--drain", type=float, default=5.0)
     ap.add_argument("--held", type=int, default=20)
@@ -198,7 +197,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=1,
                     help="client loops in parallel (each a new connection every --every s)")
     ap.add_argument("--every", type=float, default=0.005)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     up = IdentityServer(name="up").start()
     try:
         for _ in range(args.rounds):
@@ -215,7 +214,3 @@ def main() -> int:
     finally:
         up.stop()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

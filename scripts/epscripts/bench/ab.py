@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Paired A/B of extractedprism variants against HAProxy, for changes too small for
 scripts/bench to resolve on a shared machine (docs/performance.md, fifth session).
 
@@ -8,7 +7,7 @@ alike, and the figure reported is the median over repetitions of each variant's 
 HAProxy in the same repetition. Bounded: --reps x variants x connection counts runs of
 --seconds each; only 127.0.0.1; every child is killed by process group at the end.
 
-    .venv/bin/python scripts/bench_ab.py --variant new=. --variant old=/tmp/old \\
+    scripts/bench ab --variant new=. --variant old=/tmp/old \\
         [--variant off=.:--gil-cpu=off] [--conns 1,64] [--reps 6] [--keepalive]
 
 A variant is NAME=PYTHONPATH[:EXTRA FLAGS] (an EP_NAME=VALUE among them is set in its
@@ -32,9 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # the benchmark's nginx config, wrk parser and /proc readers
-from bench import HOST, cpu_seconds
+from epscripts.bench.config import BODY_SIZE, HOST
+from epscripts.bench.parse import cpu_seconds, parse_wrk
+from epscripts.bench.services import nginx_config
+from epscripts.common import free_port, signal_group, start_group, wait_port
 
 
 def voluntary_switches(pid: int) -> int:
@@ -58,23 +58,11 @@ def cpu_idle() -> list[tuple[int, int]]:
 
 def start(argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None
           ) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True,
-                            stdout=subprocess.DEVNULL)
+    return start_group(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
 
 
-def wait_port(port: int, deadline: float) -> None:
-    import socket
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((HOST, port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"nothing listens on {HOST}:{port}")
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/bench ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", action="append", required=True, help="NAME=PYTHONPATH[:FLAGS]")
     p.add_argument("--conns", default="1,64")
     p.add_argument("--reps", type=int, default=6)
@@ -82,22 +70,22 @@ def main() -> int:
     p.add_argument("--keepalive", action="store_true", help="keep-alive, not Connection: close")
     p.add_argument("--upstreams", type=int, default=1,
                    help="nginx on this many loopback addresses, each proxy given them all "
-                        "(2+: extractedprism's silent-upstream check runs, see bench.py)")
-    args = p.parse_args()
+                        "(2+: extractedprism's silent-upstream check runs, see bench/phases.py)")
+    args = p.parse_args(argv)
     os.environ["PATH"] += ":/usr/sbin:/sbin"  # haproxy and nginx, as scripts/bench does
     if not 1 <= args.reps <= 50 or not 1 <= args.seconds <= 30 or not 1 <= args.upstreams <= 8:
         raise SystemExit("--reps must be 1-50, --seconds 1-30 and --upstreams 1-8")
     hosts = tuple(f"127.0.0.{i}" for i in range(1, args.upstreams + 1))
     tmp = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     (tmp / "www").mkdir()
-    (tmp / "www" / "index.html").write_bytes(b"x" * bench.BODY_SIZE)
-    up = bench.free_port()
-    (tmp / "nginx.conf").write_text(bench.nginx_config(tmp, up, hosts))
+    (tmp / "www" / "index.html").write_bytes(b"x" * BODY_SIZE)
+    up = free_port()
+    (tmp / "nginx.conf").write_text(nginx_config(tmp, up, hosts))
     procs = [start(["nginx", "-p", str(tmp), "-c", str(tmp / "nginx.conf"),
                     "-e", str(tmp / "nginx-error.log")])]
     variants: list[tuple[str, int, int]] = []  # name, pid, port
     try:
-        port = bench.free_port()
+        port = free_port()
         (tmp / "haproxy.cfg").write_text(
             f"global\n nbthread {os.cpu_count() or 1}\n maxconn 8000\ndefaults\n mode tcp\n"
             " timeout connect 10s\n timeout client 10m\n timeout server 10m\n"
@@ -108,7 +96,7 @@ def main() -> int:
         for spec in args.variant:
             name, _, rest = spec.partition("=")
             path, _, extra = rest.partition(":")
-            port, hport = bench.free_port(), bench.free_port()
+            port, hport = free_port(), free_port()
             env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()))
             flags = shlex.split(extra)
             env.update(f.split("=", 1) for f in flags if f.startswith("EP_") and "=" in f)
@@ -122,7 +110,8 @@ def main() -> int:
             variants.append((name, procs[-1].pid, port))
         deadline = time.monotonic() + 20
         for _, _, port in variants:
-            wait_port(port, deadline)
+            if not wait_port(HOST, port, max(0.0, deadline - time.monotonic())):
+                raise SystemExit(f"nothing listens on {HOST}:{port}")
         rows: dict[tuple[str, int], list[tuple[int, float, float, float, float, list[float]]]] = {}
         conns = [int(c) for c in args.conns.split(",")]
         for rep in range(args.reps):
@@ -135,7 +124,7 @@ def main() -> int:
                         argv += ["-H", "Connection: close"]
                     out = subprocess.run([*argv, f"http://{HOST}:{port}/"], capture_output=True,
                                          text=True, timeout=args.seconds + 20).stdout
-                    w = bench.parse_wrk(out)
+                    w = parse_wrk(out)
                     n = max(1, w.get("requests", 1))
                     idle = [(i1 - i0) / max(1, t1 - t0)
                             for (i0, t0), (i1, t1) in zip(idle0, cpu_idle(), strict=True)]
@@ -157,8 +146,7 @@ def main() -> int:
                                  for i in range(len(got[0][5]))), flush=True)
     finally:
         for proc in reversed(procs):  # the proxies before their upstream
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
             if proc is not procs[0]:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(10)
@@ -166,7 +154,3 @@ def main() -> int:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -15,7 +15,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,31 +22,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import trustme
 
-import trustme  # noqa: E402
-
-from extractedprism.ops.status import conns_text, state_word  # noqa: E402
+from epscripts.common import ROOT, child_env, pick_port, python_module, stop_process
+from extractedprism.ops.status import conns_text, state_word
 
 UPSTREAMS = 3
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def pick_port(preferred: int) -> int:
-    if preferred and port_free(preferred):
-        return preferred
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def status_line(health: int) -> str:
@@ -64,9 +44,9 @@ def status_line(health: int) -> str:
 def start_upstream(name: str, ca_cert: Path, ca_key: Path) -> tuple[subprocess.Popen[str], str]:
     """One upstream process; returns it and its address once it listens."""
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "demo_upstream.py"), "--name", name,
-         "--ca-cert", str(ca_cert), "--ca-key", str(ca_key)],
-        stdout=subprocess.PIPE, text=True)
+        python_module("epscripts.demo.upstream", "--name", name,
+                      "--ca-cert", str(ca_cert), "--ca-key", str(ca_key)),
+        stdout=subprocess.PIPE, text=True, env=child_env())
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("listening "):
@@ -77,18 +57,8 @@ def start_upstream(name: str, ca_cert: Path, ca_key: Path) -> tuple[subprocess.P
     return proc, line.split()[1]
 
 
-def stop_process(proc: subprocess.Popen[str], timeout: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(prog="scripts/demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=0, help="stop after N seconds (0: never)")
     ap.add_argument("--interval", type=float, default=5.0, help="status line every N seconds")
@@ -169,12 +139,8 @@ extractedprism demo
             time.sleep(0.1)
     finally:
         if proxy is not None:
-            stop_process(proxy)
+            stop_process(proxy, 10.0)
         for _, proc, _ in ups:
-            stop_process(proc)
+            stop_process(proc, 10.0)
     print("demo stopped", flush=True)
     return rc
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,32 +1,8 @@
-"""A real Kubernetes control plane on this machine: etcd and three kube-apiservers.
-
-Used by tests/controlplane (through :class:`ControlPlane`) and by people (through
-``scripts/controlplane VERB``). Each process runs in a network namespace of its own,
-joined by veth pairs to a bridge in the root namespace; the bridge has no uplink and no
-namespace has a default route, so nothing can leave the machine. The root namespace
-(where extractedprism and the test clients run) reaches every process over the bridge.
-EndpointSlice addresses may not be loopback, hence the namespaces.
-
-Runs are independent: every run has a random id, and everything it makes is named after
-it (namespaces ``epcp-<id>-etcd``, ``-api1``.., bridge ``epcpb<id>``, veths ``epcp<id><n>``)
-and lives in its own /24 inside 192.168.200.0-192.168.254.255 that no link uses yet. The run's
-state file lists each namespace, link and process *before* it is made, so ``down`` removes
-exactly what the run made, also after a crash in the middle of ``up``, and nothing else:
-a namespace is deleted only when its nsfs inode is the one recorded at creation, a
-process is signalled only when its command line still names the run directory.
-
-Faults (each its own verb): kill -9, SIGSTOP/SIGCONT, graceful SIGTERM, start again;
-partitioning an apiserver from etcd with permanent neighbour entries that point at a MAC
-address nobody has (this kernel has no iptables or nft; such frames are dropped
-silently, as a DROP rule would); stopping and starting etcd; etcd compaction, after
-which an old resourceVersion answers 410.
-
-Standard library only (plus ``openssl`` for the PKI), so it runs with the system python3.
-"""
+"""One control-plane run (ControlPlane): its state file, namespaces, processes, faults and
+HTTP helpers; the runs on this machine and the stale ones."""
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
 import fcntl
@@ -38,149 +14,29 @@ import shutil
 import signal
 import ssl
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import controlplane_build as cpbuild
-
-APISERVERS = ("api1", "api2", "api3")
-PORT = 6443
-ETCD_PORT = 2379
-SUBNET_POOL = [ipaddress.ip_network(f"192.168.{n}.0/24") for n in range(200, 255)]
-HOST_INDEX = {"bridge": 1, "etcd": 10, "api1": 11, "api2": 12, "api3": 13}
-DEAD_MAC = "02:00:00:00:de:ad"  # locally administered; no interface has it
-SERVER_NAME = "kubernetes.default.svc"
-SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
-NODE_NAME = "node1"  # the node whose client certificate the run issues
-UP_TIMEOUT = 120.0  # from nothing to three ready apiservers listed in the slice
-STATE_ROOT_DEFAULT = "/tmp/extractedprism-controlplane"
-
-# Default-on admission plugins the tests never exercise; off, the apiservers start faster
-# and need less memory. NamespaceLifecycle stays (namespaces are used and deleted).
-DISABLED_ADMISSION = ",".join([
-    "ServiceAccount", "TaintNodesByCondition", "PodSecurity", "Priority",
-    "DefaultTolerationSeconds", "DefaultStorageClass", "StorageObjectInUseProtection",
-    "PersistentVolumeClaimResize", "RuntimeClass", "CertificateApproval",
-    "CertificateSigning", "ClusterTrustBundleAttest", "CertificateSubjectRestriction",
-    "DefaultIngressClass", "MutatingAdmissionWebhook", "ValidatingAdmissionWebhook",
-    "ValidatingAdmissionPolicy", "ResourceQuota", "LimitRanger",
-])
-
-
-class CPError(Exception):
-    """A control-plane operation failed; the message says which and why."""
-
-
-def state_root() -> Path:
-    return Path(os.environ.get("EP_CONTROLPLANE_STATE") or STATE_ROOT_DEFAULT)
-
-
-def _log(msg: str) -> None:
-    print(f"controlplane: {msg}", file=sys.stderr, flush=True)
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if check and proc.returncode != 0:
-        raise CPError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
-    return proc
-
-
-def missing_prerequisites() -> str | None:
-    """What this machine lacks for a control plane, in one line (None: nothing)."""
-    if os.geteuid() != 0:
-        return "not root (network namespaces need CAP_SYS_ADMIN/CAP_NET_ADMIN)"
-    if shutil.which("ip") is None:
-        return "no `ip` command (install iproute2)"
-    if _ip("netns", "list", check=False).returncode != 0:
-        return "`ip netns` does not work here"
-    if shutil.which("openssl") is None:
-        return "no `openssl` command (needed for the run's PKI)"
-    if cpbuild.missing() and cpbuild.find_go() is None:
-        return "no Go toolchain to build etcd/kube-apiserver (set GO= or install Go)"
-    return None
-
-
-# --- PKI (openssl) ------------------------------------------------------------
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=60)
-    if proc.returncode != 0:
-        raise CPError(f"openssl {args[0]} failed: {proc.stderr.strip()[-500:]}")
-
-
-def _issue(pki: Path, name: str, subject: str, ext: str) -> None:
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject,
-             cwd=pki)
-    (pki / f"{name}.ext").write_text(
-        ext + "\nbasicConstraints=critical,CA:FALSE\n"
-        "keyUsage=critical,digitalSignature,keyEncipherment\n"
-        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-             "-CAcreateserial", "-days", "7", "-sha256", "-extfile", f"{name}.ext",
-             "-out", f"{name}.crt", cwd=pki)
-    (pki / f"{name}.csr").unlink()
-    (pki / f"{name}.ext").unlink()
-
-
-def make_pki(pki: Path, ips: list[str]) -> dict[str, str]:
-    """One CA for serving and client certificates; returns the tokens."""
-    pki.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "7", "-sha256",
-             "-subj", "/CN=extractedprism-controlplane-ca",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=pki)
-    sans = ",".join(["DNS:kubernetes", "DNS:kubernetes.default", f"DNS:{SERVER_NAME}",
-                     "DNS:kubernetes.default.svc.cluster.local", "DNS:localhost",
-                     "IP:127.0.0.1", *(f"IP:{ip}" for ip in ips)])
-    _issue(pki, "apiserver", "/CN=kube-apiserver",
-           f"subjectAltName={sans}\nextendedKeyUsage=serverAuth")
-    # The node's kubelet client certificate, as the Node authorizer expects it.
-    _issue(pki, "node", f"/O=system:nodes/CN=system:node:{NODE_NAME}",
-           "extendedKeyUsage=clientAuth")
-    _issue(pki, "admin", "/O=system:masters/CN=cp-admin", "extendedKeyUsage=clientAuth")
-    # Service-account token signing pair.
-    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=pki)
-    _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
-    tokens = {"admin": secrets.token_hex(16), "extractedprism": secrets.token_hex(16)}
-    (pki / "tokens.csv").write_text(
-        f'{tokens["admin"]},cp-admin,cp-admin,"system:masters"\n'
-        f'{tokens["extractedprism"]},extractedprism,extractedprism,""\n')
-    (pki / "admin.token").write_text(tokens["admin"] + "\n")
-    (pki / "extractedprism.token").write_text(tokens["extractedprism"] + "\n")
-    for f in pki.iterdir():
-        f.chmod(0o600)
-    return tokens
-
-
-def kubeconfig(server: str, ca: str, token: str | None = None, cert: str | None = None,
-               key: str | None = None, server_name: str | None = SERVER_NAME) -> str:
-    """A kubeconfig as JSON (a YAML subset, so every loader reads it)."""
-    cluster: dict[str, Any] = {"server": server, "certificate-authority": ca}
-    if server_name:
-        cluster["tls-server-name"] = server_name
-    user: dict[str, Any] = {}
-    if token:
-        user["token"] = token
-    if cert:
-        user["client-certificate"] = cert
-        user["client-key"] = key or cert
-    return json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "cp",
-        "clusters": [{"name": "cp", "cluster": cluster}],
-        "users": [{"name": "cp", "user": user}],
-        "contexts": [{"name": "cp", "context": {"cluster": "cp", "user": "cp"}}],
-    }, indent=1) + "\n"
-
+from epscripts.controlplane import build as cpbuild
+from epscripts.controlplane.host import (
+    APISERVERS,
+    DEAD_MAC,
+    DISABLED_ADMISSION,
+    ETCD_PORT,
+    HOST_INDEX,
+    PORT,
+    SA_ISSUER,
+    SERVER_NAME,
+    SUBNET_POOL,
+    UP_TIMEOUT,
+    CPError,
+    run_ip,
+    state_root,
+)
+from epscripts.controlplane.pki import kubeconfig, make_pki
 
 # --- the run --------------------------------------------------------------------
 
@@ -282,23 +138,23 @@ class ControlPlane:
         br = self.state["bridge"]
         subnet = ipaddress.ip_network(self.state["subnet"])
         self._journal("link", br)
-        _ip("link", "add", br, "type", "bridge")
-        _ip("addr", "add", f"{self.ip('bridge')}/{subnet.prefixlen}", "dev", br)
-        _ip("link", "set", br, "up")
+        run_ip("link", "add", br, "type", "bridge")
+        run_ip("addr", "add", f"{self.ip('bridge')}/{subnet.prefixlen}", "dev", br)
+        run_ip("link", "set", br, "up")
         for name, ns in self.state["netns"].items():
             if Path(f"/run/netns/{ns}").exists():
                 raise CPError(f"network namespace {ns} exists already; not touching it")
             self._journal("netns", ns)
-            _ip("netns", "add", ns)
+            run_ip("netns", "add", ns)
             self.state["made"][-1][2] = os.stat(f"/run/netns/{ns}").st_ino
             self.save()
             veth = self.state["veth"][name]
             self._journal("link", veth)
-            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{self.ip(name)}/{subnet.prefixlen}", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("link", "set", veth, "master", br, "up")
+            run_ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            run_ip("-n", ns, "addr", "add", f"{self.ip(name)}/{subnet.prefixlen}", "dev", "eth0")
+            run_ip("-n", ns, "link", "set", "lo", "up")
+            run_ip("-n", ns, "link", "set", "eth0", "up")
+            run_ip("link", "set", veth, "master", br, "up")
 
     def _ours(self, ns: str) -> bool:
         for kind, name, extra in self.state["made"]:
@@ -472,16 +328,16 @@ class ControlPlane:
         """Frames between ``api`` and etcd go to a MAC nobody has: both directions drop."""
         self._check_api(api)
         ns = self.state["netns"]
-        _ip("-n", ns[api], "neigh", "replace", self.ip("etcd"), "lladdr", DEAD_MAC,
+        run_ip("-n", ns[api], "neigh", "replace", self.ip("etcd"), "lladdr", DEAD_MAC,
             "dev", "eth0", "nud", "permanent")
-        _ip("-n", ns["etcd"], "neigh", "replace", self.ip(api), "lladdr", DEAD_MAC,
+        run_ip("-n", ns["etcd"], "neigh", "replace", self.ip(api), "lladdr", DEAD_MAC,
             "dev", "eth0", "nud", "permanent")
 
     def heal(self, api: str) -> None:
         self._check_api(api)
         ns = self.state["netns"]
-        _ip("-n", ns[api], "neigh", "del", self.ip("etcd"), "dev", "eth0", check=False)
-        _ip("-n", ns["etcd"], "neigh", "del", self.ip(api), "dev", "eth0", check=False)
+        run_ip("-n", ns[api], "neigh", "del", self.ip("etcd"), "dev", "eth0", check=False)
+        run_ip("-n", ns["etcd"], "neigh", "del", self.ip(api), "dev", "eth0", check=False)
 
     # -- HTTP helpers (root namespace, over the bridge) --
 
@@ -663,12 +519,12 @@ class ControlPlane:
             self.wait_exit(name, 10)
         for kind, name, _ in reversed(self.state["made"]):
             if kind == "link":
-                if _ip("link", "show", name, check=False).returncode == 0:
-                    _ip("link", "del", name, check=False)
+                if run_ip("link", "show", name, check=False).returncode == 0:
+                    run_ip("link", "del", name, check=False)
                     done.append(f"deleted link {name}")
             elif kind == "netns":
                 if self._ours(name):
-                    _ip("netns", "del", name, check=False)
+                    run_ip("netns", "del", name, check=False)
                     done.append(f"deleted netns {name}")
                 elif Path(f"/run/netns/{name}").exists():
                     done.append(f"left netns {name}: not the one this run made")
@@ -676,7 +532,7 @@ class ControlPlane:
         deadline = time.monotonic() + 10
         for kind, name, _ in self.state["made"]:
             while (kind == "link" and time.monotonic() < deadline
-                   and _ip("link", "show", name, check=False).returncode == 0):
+                   and run_ip("link", "show", name, check=False).returncode == 0):
                 time.sleep(0.05)
         # The WAL preallocates 64 MiB; logs, state and PKI stay until `down --stale`.
         shutil.rmtree(self.dir / "etcd-data", ignore_errors=True)
@@ -714,13 +570,13 @@ def _plain_opener() -> urllib.request.OpenerDirector:
 
 
 def _free_subnet(taken: list[Any]) -> ipaddress.IPv4Network:
-    out = _ip("-4", "-o", "addr", "show").stdout
+    out = run_ip("-4", "-o", "addr", "show").stdout
     used = list(taken)
     for line in out.splitlines():
         parts = line.split()
         if "inet" in parts:
             used.append(ipaddress.ip_interface(parts[parts.index("inet") + 1]).network)
-    routes = _ip("-4", "route", "show", "table", "all", check=False).stdout.split()
+    routes = run_ip("-4", "route", "show", "table", "all", check=False).stdout.split()
     for word in routes:
         with contextlib.suppress(ValueError):
             if "/" in word:
@@ -779,113 +635,3 @@ def current(run: str | None) -> ControlPlane:
     if not (path / "state.json").is_file():
         raise CPError(f"no control-plane run at {path} (run `scripts/controlplane up` first)")
     return ControlPlane(path.resolve())
-
-
-def describe(cp: ControlPlane) -> str:
-    lines = [f"run {cp.id}: {cp.dir}",
-             f"versions: kube-apiserver {cp.state['versions']['kubernetes']}, "
-             f"etcd {cp.state['versions']['etcd']} ({cp.state['bin']})",
-             f"subnet {cp.state['subnet']} on bridge {cp.state['bridge']}",
-             f"etcd  http://{cp.ip('etcd')}:{ETCD_PORT}  pid {cp.pid('etcd')}"]
-    for api in APISERVERS:
-        lines.append(f"{api}  https://{cp.endpoint(api)}  pid {cp.pid(api)}  "
-                     f"netns {cp.state['netns'][api]}")
-    lines += [f"CA: {cp.ca}  (serving certificate names: {SERVER_NAME}, the IPs)",
-              f"admin token: {cp.token('admin')} (in {cp.token_file('admin')}; a user in "
-              "system:masters, made for this run)",
-              f"kubeconfig: {cp.dir}/admin.kubeconfig",
-              f"kubectl: {cp.binary('kubectl')} --kubeconfig {cp.dir}/admin.kubeconfig "
-              "get --raw /readyz",
-              f"export EP_CONTROLPLANE_RUN={cp.dir}"]
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/controlplane", description=__doc__.split("\n")[0])
-    p.add_argument("--run", help="run id or directory (default: $EP_CONTROLPLANE_RUN, "
-                   "then the latest `up`)")
-    sub = p.add_subparsers(dest="verb", required=True)
-    sub.add_parser("build", help="build and cache etcd, kube-apiserver and kubectl")
-    sub.add_parser("check", help="say what this machine lacks (exit 1 if anything)")
-    up = sub.add_parser("up", help="start etcd and three apiservers; wait until all are ready")
-    up.add_argument("--owner-pid", type=int, default=None,
-                    help="`down --stale` takes this run down once that process is gone")
-    sub.add_parser("status", help="addresses, pids, readiness")
-    down = sub.add_parser("down", help="remove the run's processes, namespaces and links")
-    down.add_argument("--stale", action="store_true",
-                      help="instead: every run whose --owner-pid is gone")
-    for verb, helptext in (("kill", "SIGKILL"), ("stop", "SIGSTOP"), ("cont", "SIGCONT"),
-                           ("term", "graceful SIGTERM"), ("partition-etcd", "cut from etcd"),
-                           ("heal", "undo partition-etcd")):
-        sp = sub.add_parser(verb, help=f"{helptext} one apiserver")
-        sp.add_argument("api", choices=APISERVERS)
-    sp = sub.add_parser("start", help="start a stopped apiserver (extra flags after --)")
-    sp.add_argument("api", choices=APISERVERS)
-    sp.add_argument("--wait", action="store_true", help="wait until it is ready")
-    sp.add_argument("extra", nargs="*", help="extra kube-apiserver flags for this start")
-    sub.add_parser("etcd-down", help="kill etcd")
-    sub.add_parser("etcd-up", help="start etcd again (same data)")
-    sub.add_parser("compact", help="compact etcd at its current revision")
-    args = p.parse_args(argv)
-    try:
-        if args.verb == "build":
-            t0 = time.monotonic()
-            print(cpbuild.build())
-            _log(f"binaries ready in {time.monotonic() - t0:.0f}s")
-            return 0
-        if args.verb == "check":
-            why = missing_prerequisites()
-            print(why or "ok")
-            return 1 if why else 0
-        if args.verb == "up":
-            why = missing_prerequisites()
-            if why:
-                raise CPError(why)
-            cpbuild.build()
-            cp = ControlPlane.create(owner_pid=args.owner_pid)
-            try:
-                took = cp.up()
-            except BaseException:
-                _log(f"up failed; taking run {cp.id} down (logs kept in {cp.dir})")
-                cp.down()
-                raise
-            print(describe(cp))
-            _log(f"up in {took:.1f}s")
-            return 0
-        if args.verb == "down" and args.stale:
-            for line in down_stale():
-                print(line)
-            return 0
-        cp = current(args.run)
-        if args.verb == "status":
-            print(describe(cp))
-            for api in APISERVERS:
-                print(f"{api} /readyz: {cp.readyz(api)}")
-            print(f"slice: {sorted(cp.slice_addresses() or [])}")
-        elif args.verb == "down":
-            for line in cp.down():
-                print(line)
-        elif args.verb in ("kill", "stop", "cont", "term"):
-            getattr(cp, args.verb)(args.api)
-        elif args.verb == "start":
-            cp.start(args.api, args.extra)
-            if args.wait:
-                cp.wait_ready([args.api])
-        elif args.verb == "partition-etcd":
-            cp.partition_etcd(args.api)
-        elif args.verb == "heal":
-            cp.heal(args.api)
-        elif args.verb == "etcd-down":
-            cp.etcd_down()
-        elif args.verb == "etcd-up":
-            cp.etcd_up()
-        elif args.verb == "compact":
-            print(cp.compact())
-        return 0
-    except CPError as exc:
-        print(f"controlplane: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

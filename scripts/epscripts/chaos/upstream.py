@@ -1,6 +1,6 @@
 """One API-server-like TLS upstream in its own process, for the local chaos harness.
 
-scripts/chaos_local.py needs upstreams it can ``kill -9``, freeze with SIGSTOP and run
+scripts/chaos-local needs upstreams it can ``kill -9``, freeze with SIGSTOP and run
 inside a network namespace, so each one is a process of its own (the FakeUpstream of
 tests/fakes/upstream.py, which otherwise runs as threads of the test process).
 
@@ -27,12 +27,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import trustme
 
-import trustme  # noqa: E402
-
-from tests.fakes.upstream import FakeUpstream  # noqa: E402
+from tests.fakes.upstream import FakeUpstream
 
 _out_lock = threading.Lock()
 

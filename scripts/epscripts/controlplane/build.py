@@ -187,7 +187,3 @@ def build() -> Path:
                     _build_one(go, w, f"k8s.io/kubernetes/cmd/{name}", name, K8S_LDFLAGS)
         _log(f"done in {time.monotonic() - t0:.0f}s")
     return cache_dir()
-
-
-if __name__ == "__main__":
-    print(build())

@@ -1,0 +1,1 @@
+"""The local chaos harness: scripts/chaos-local (cli.py); --control-plane real runs real.py."""

@@ -1,0 +1,1 @@
+"""A real control plane on this machine: scripts/controlplane (cli.py)."""

@@ -1,0 +1,1 @@
+"""scripts/demo (cli.py) and its upstream processes (upstream.py)."""
