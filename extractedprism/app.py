@@ -26,11 +26,10 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from extractedprism import __version__
-from extractedprism.checks.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
+from extractedprism.checks.probes import Prober, ReadyzSettings, ca_file_problem, probe
 from extractedprism.checks.ticker import Ticker
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.config.table import Config
@@ -51,7 +50,8 @@ from extractedprism.health.opsmetrics import (
 from extractedprism.health.server import HealthServer
 from extractedprism.ops import handover
 from extractedprism.ops.admin import AdminServer
-from extractedprism.upstreams.registry import Change, Registry
+from extractedprism.upstreams.effects import Change
+from extractedprism.upstreams.registry import Registry
 
 if TYPE_CHECKING:
     from extractedprism.discovery.watch import KubernetesProvider
@@ -68,8 +68,7 @@ class App:
     def __init__(self, config: Config, *, metrics: Metrics | None = None,
                  stop: threading.Event | None = None, sa_dir: str | None = None,
                  rng: random.Random | None = None,
-                 prober: Callable[[Endpoint, float, ReadyzSettings | None], ProbeResult]
-                 = probe) -> None:
+                 prober: Prober = probe) -> None:
         self.config = config
         self.stop_event = stop or threading.Event()
         self.metrics = metrics or Metrics()
