@@ -20,16 +20,16 @@ window, and the spec's shutdown follows.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from extractedprism import __version__
-from extractedprism.checks.probes import ProbeResult, ReadyzSettings, ca_file_problem, probe
+from extractedprism.checks.probes import Prober, ReadyzSettings, ca_file_problem, probe
 from extractedprism.checks.ticker import Ticker
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.config.table import Config
@@ -40,7 +40,7 @@ from extractedprism.discovery.merge import CACHE, KUBERNETES, STATIC, Merger
 from extractedprism.discovery.status import DiscoveryStatus, DiscoveryView
 from extractedprism.errors import ListenError
 from extractedprism.health.document import ProcessInfo, upstreams_document
-from extractedprism.health.heartbeat import Heartbeat
+from extractedprism.health.heartbeat import Heartbeat, lock_free
 from extractedprism.health.metrics import Metrics
 from extractedprism.health.opsmetrics import (
     BuildInfoCollector,
@@ -50,7 +50,8 @@ from extractedprism.health.opsmetrics import (
 from extractedprism.health.server import HealthServer
 from extractedprism.ops import handover
 from extractedprism.ops.admin import AdminServer
-from extractedprism.upstreams.registry import Change, Registry
+from extractedprism.upstreams.effects import Change
+from extractedprism.upstreams.registry import Registry
 
 if TYPE_CHECKING:
     from extractedprism.discovery.watch import KubernetesProvider
@@ -67,8 +68,7 @@ class App:
     def __init__(self, config: Config, *, metrics: Metrics | None = None,
                  stop: threading.Event | None = None, sa_dir: str | None = None,
                  rng: random.Random | None = None,
-                 prober: Callable[[Endpoint, float, ReadyzSettings | None], ProbeResult]
-                 = probe) -> None:
+                 prober: Prober = probe) -> None:
         self.config = config
         self.stop_event = stop or threading.Event()
         self.metrics = metrics or Metrics()
@@ -98,15 +98,17 @@ class App:
                              timeout=config.health_timeout, readyz=readyz,
                              stop=self.stop_event, prober=prober,
                              max_wait=min(config.liveness_interval, config.health_interval))
-        self.heartbeat = Heartbeat(self, interval=config.liveness_interval,
-                                   threshold=config.liveness_threshold, stop=self.stop_event)
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
                            pipe_sched=config.pipe_sched, gil_cpu=config.gil_cpu,
                            relay=config.relay,
                            dial_hedge_delay=config.dial_hedge_delay,
-                           on_accept_loop=self.heartbeat.accept_turned)
+                           on_accept_loop=self._accept_turned)
+        self.heartbeat = Heartbeat(lock_free=functools.partial(lock_free, self.registry.lock),
+                                   acceptor=self.proxy, ticker=self.ticker,
+                                   interval=config.liveness_interval,
+                                   threshold=config.liveness_threshold, stop=self.stop_event)
         # The data path in use, "native" or "python" (--relay resolved; logged at start,
         # /upstreams and extractedprism_build_info{relay=...} read it here).
         self.relay = self.proxy.relay
@@ -125,6 +127,11 @@ class App:
         # A bound method rather than a setter patched in later: the ticker needs the
         # registry first, and the registry calls this only once endpoints are set.
         self.ticker.registry_changed(change)
+
+    def _accept_turned(self) -> None:
+        # A bound method for the same reason: the heartbeat asks the proxy, so it is made
+        # after it, and the acceptor turns only once both exist (start()).
+        self.heartbeat.accept_turned()
 
     # -- addresses -------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ import socket
 import ssl
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from extractedprism.config.endpoints import Endpoint, is_ip
@@ -50,6 +51,10 @@ class ReadyzSettings:
     cert_file: str = ""
     key_file: str = ""  # may be empty or the same file as cert_file
     token_file: str = ""
+
+
+# What runs one health check: :func:`probe`, or a stand-in that tests give the ticker.
+Prober = Callable[[Endpoint, float, ReadyzSettings | None], ProbeResult]
 
 
 class _ProbeFailed(Exception):

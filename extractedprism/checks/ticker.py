@@ -16,10 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from extractedprism.checks.probes import ProbeResult, ReadyzSettings, probe
+from extractedprism.checks.probes import Prober, ReadyzSettings, probe
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.threads import join_until
-from extractedprism.upstreams.registry import Change, Registry
+from extractedprism.upstreams.effects import Change
+from extractedprism.upstreams.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,7 @@ class Ticker:
     def __init__(self, registry: Registry, *, interval: float, timeout: float,
                  readyz: ReadyzSettings | None, stop: threading.Event,
                  max_wait: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 prober: Callable[[Endpoint, float, ReadyzSettings | None], ProbeResult] = probe
-                 ) -> None:
+                 prober: Prober = probe) -> None:
         self._registry = registry
         self._interval = interval
         self._timeout = timeout

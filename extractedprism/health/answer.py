@@ -1,125 +1,87 @@
-"""The answering half of the health server's connection loop.
+"""The request threads of the health server's connection loop (``health-http-request``).
 
-Owns what happens to a connection once its request head is complete: ``_answer`` runs
-on a request thread (``health-http-request``), renders the answer through ``respond``
-and sends what the socket takes without blocking; the loop thread (``health-http``)
-then takes the connection back (``_take_back``), writes the rest (``_write``), and
-either waits for the next request or half-closes and lingers (``_linger``,
-``_discard``).
-
-Mixed into :class:`extractedprism.health.conn.ConnectionLoop`, which sets the state in
-``__init__`` and owns the selector, the deadlines and the connection tables.
+:class:`RequestThreads` owns the threads that answer complete request heads and the
+hand-back of their connections to the loop thread (``health-http``): a request thread
+renders the answer through ``respond``, sends what the socket takes without blocking,
+queues the connection with its outcome and wakes the loop, which takes it back
+(:meth:`RequestThreads.take_back`) and writes the rest, waits for the next request or
+lingers. The loop owns the selector, the deadlines and the connection tables
+(:class:`extractedprism.health.conn.ConnectionLoop`); this object only the state the
+two kinds of thread share, under its own lock.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import selectors
-import socket
 import threading
-import time
 from collections.abc import Callable
+from typing import Literal
 
-from extractedprism.health.head import LINGER_S, REQUEST_TIMEOUT_S, Conn
+from extractedprism.health.head import Conn
 
-# The connection loop's logger: these lines have always come from extractedprism.health.conn.
-log = logging.getLogger("extractedprism.health.conn")
+log = logging.getLogger(__name__)
+
+# What a request thread did with its connection: answer partly sent ("write": the loop
+# writes the rest), answer sent in full ("sent"), or nothing more to do ("close").
+Outcome = Literal["write", "sent", "close"]
 
 
-class AnswerStates:
-    """Request threads, and the write and linger states of the loop thread."""
+class RequestThreads:
+    """The running request threads and the connections they hand back.
 
-    # Set by ConnectionLoop.__init__.
-    _respond: Callable[[Conn], tuple[bytes, bool]]
-    _sel: selectors.BaseSelector
-    _writing: collections.OrderedDict[int, Conn]
-    _lingering: collections.OrderedDict[int, Conn]
-    _busy: int
-    _stop: threading.Event
-    _lock: threading.Lock
-    _returned: list[tuple[Conn, str]]
-    _workers: set[threading.Thread]
-    _closed: bool
-    _wake_w: socket.socket
+    ``busy`` (threads started and not yet taken back) is the loop thread's alone; the
+    hand-back list, the thread set and ``closed`` are shared, under ``_lock``.
+    """
 
-    # -- loop thread: answers ----------------------------------------------------
+    def __init__(self, respond: Callable[[Conn], tuple[bytes, bool]], *, name: str,
+                 wake: Callable[[], None]) -> None:
+        self._respond = respond
+        self._name = name
+        self._wake = wake  # wakes the loop thread; never blocks
+        self.busy = 0
+        self._lock = threading.Lock()  # guards _returned, _closed, _workers
+        self._returned: list[tuple[Conn, Outcome]] = []
+        self._workers: set[threading.Thread] = set()
+        self._closed = False
 
-    def _take_back(self) -> None:
+    def start(self, conn: Conn) -> bool:
+        """Answer ``conn`` on a new request thread (loop thread); False when no thread
+        could be started, and the connection is the caller's again."""
+        t = threading.Thread(name=self._name, target=self._answer, args=(conn,),
+                             daemon=True)
+        with self._lock:
+            self._workers.add(t)
+        self.busy += 1
+        try:
+            t.start()
+        except RuntimeError:
+            with self._lock:
+                self._workers.discard(t)
+            self.busy -= 1
+            return False
+        return True
+
+    def take_back(self) -> list[tuple[Conn, Outcome]]:
+        """The connections handed back since the last call (loop thread)."""
         with self._lock:
             returned, self._returned = self._returned, []
-        for conn, outcome in returned:
-            self._busy -= 1
-            if outcome == "write":
-                # The write deadline counts from the answer, as the request deadline did.
-                conn.deadline = time.monotonic() + REQUEST_TIMEOUT_S
-                self._writing[conn.sock.fileno()] = conn
-                self._sel.register(conn.sock, selectors.EVENT_WRITE, "writing")
-            elif outcome == "sent":
-                self._answered(conn)
-            else:
-                self._close(conn)
+        self.busy -= len(returned)
+        return returned
 
-    def _answered(self, conn: Conn) -> None:
-        if self._stop.is_set():
-            self._close(conn)  # shutting down: no next request, and no lingering either
-        elif conn.keep:
-            conn.head, conn.oversized = b"", False
-            self._await_request(conn)
-        else:
-            self._linger(conn)
+    def close(self) -> list[Conn]:
+        """From now on a request thread closes its connection itself when done; returns
+        the connections handed back but not taken, for the caller to close."""
+        with self._lock:
+            self._closed = True
+            returned, self._returned = self._returned, []
+        return [conn for conn, _ in returned]
 
-    def _write(self, conn: Conn | None) -> None:
-        if conn is None:
-            return
-        try:
-            conn.out = conn.out[conn.sock.send(conn.out):]
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            log.debug("health answer not delivered client=%s error=%r", conn.client, exc)
-            self._close(conn)
-            return
-        if not conn.out:
-            self._forget(conn)
-            self._answered(conn)
-
-    def _linger(self, conn: Conn) -> None:
-        # Closing with unread request bytes in the kernel would send a RST, and the
-        # client could lose the answer still in flight; so half-close and read until the
-        # client closes too, for a little while.
-        self._forget(conn)
-        try:
-            conn.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            self._close(conn)
-            return
-        conn.deadline = time.monotonic() + LINGER_S
-        self._lingering[conn.sock.fileno()] = conn
-        self._sel.register(conn.sock, selectors.EVENT_READ, "linger")
-
-    def _discard(self, conn: Conn | None) -> None:
-        if conn is None:
-            return
-        try:
-            if conn.sock.recv(65536):
-                return
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            pass
-        self._close(conn)
-
-    # -- request threads -------------------------------------------------------
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"\0")
-        except OSError:
-            pass  # already awake (buffer full) or shut down
+    def running(self) -> list[threading.Thread]:
+        with self._lock:
+            return list(self._workers)
 
     def _answer(self, conn: Conn) -> None:
-        outcome = "close"
+        outcome: Outcome = "close"
         try:
             data, conn.keep = self._respond(conn)
             if data:

@@ -21,8 +21,8 @@ Limits, all enforced by the loop thread:
   client still sends for up to ``LINGER_S``, so unread request bytes do not turn the
   close into a reset that destroys the answer in flight.
 
-The request head and its parser live in httphead.py; the answering half (request
-threads, then writing and lingering on the loop thread) in httpanswer.py.
+The request head and its parser live in head.py; the request threads and the
+hand-back of their connections in answer.py (:class:`RequestThreads`, owned here).
 """
 
 from __future__ import annotations
@@ -37,20 +37,15 @@ import time
 from collections.abc import Callable
 
 from extractedprism.config.endpoints import is_ip
-from extractedprism.health.answer import AnswerStates
+from extractedprism.health.answer import RequestThreads
 from extractedprism.health.head import (
     LINGER_S,
     MAX_HEAD_BYTES,
     REQUEST_TIMEOUT_S,
     Conn,
-    is_token,
-    request_head_end,
+    take_head,
 )
 from extractedprism.threads import join_until
-
-# Re-exported: the names httpd.py and the tests import from here.
-__all__ = ["LINGER_S", "MAX_CONNECTIONS", "MAX_HEAD_BYTES", "MAX_REQUEST_THREADS",
-           "REQUEST_TIMEOUT_S", "Conn", "ConnectionLoop", "is_token", "request_head_end"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +55,7 @@ _ACCEPT_PAUSE_S = 0.2
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
-class ConnectionLoop(AnswerStates):
+class ConnectionLoop:
     """Owns a listening socket, the loop thread and its request threads.
 
     ``respond(conn)`` runs on a request thread and returns the bytes to send and whether
@@ -72,7 +67,6 @@ class ConnectionLoop(AnswerStates):
     def __init__(self, host: str, port: int, respond: Callable[[Conn], tuple[bytes, bool]],
                  *, timeout_answer: bytes, name: str = "health-http",
                  listener: socket.socket | None = None) -> None:
-        self._respond = respond
         self._timeout_answer = timeout_answer
         self._name = name
         if listener is not None:
@@ -109,15 +103,11 @@ class ConnectionLoop(AnswerStates):
         # Answered for the last time: waiting for the client's FIN, oldest first.
         self._lingering: collections.OrderedDict[int, Conn] = collections.OrderedDict()
         self._queued: collections.deque[Conn] = collections.deque()  # head complete
-        self._busy = 0  # request threads running
+        self._requests = RequestThreads(respond, name=name + "-request", wake=self._wake)
         self._accept_paused_until = 0.0
         self._full = False
         self._stop = threading.Event()
         self._stop_deadline = 0.0
-        self._lock = threading.Lock()  # guards _returned, _closed, _workers
-        self._returned: list[tuple[Conn, str]] = []
-        self._workers: set[threading.Thread] = set()
-        self._closed = False
         self._thread: threading.Thread | None = None
 
     @property
@@ -167,9 +157,7 @@ class ConnectionLoop(AnswerStates):
         gone. Each one still running is logged once and abandoned (they are daemons)."""
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.monotonic()))
-        with self._lock:
-            workers = list(self._workers)
-        return join_until([self._thread, *workers], deadline)
+        return join_until([self._thread, *self._requests.running()], deadline)
 
     # -- the loop thread ------------------------------------------------------------
 
@@ -216,7 +204,7 @@ class ConnectionLoop(AnswerStates):
         for conn in [*self._reading.values(), *self._lingering.values(), *self._queued]:
             self._close(conn)
         self._queued.clear()
-        while self._writing or self._busy:
+        while self._writing or self._requests.busy:
             now = time.monotonic()
             if now >= self._stop_deadline:
                 return
@@ -241,7 +229,7 @@ class ConnectionLoop(AnswerStates):
 
     def _open_count(self) -> int:
         return (len(self._reading) + len(self._writing) + len(self._lingering)
-                + len(self._queued) + self._busy)
+                + len(self._queued) + self._requests.busy)
 
     def _accept(self) -> None:
         for _ in range(64):  # then serve the connections already open, then accept more
@@ -285,29 +273,11 @@ class ConnectionLoop(AnswerStates):
 
     def _await_request(self, conn: Conn) -> None:
         conn.deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        if self._complete(conn):
+        if take_head(conn):
             self._queued.append(conn)
             return
         self._reading[conn.sock.fileno()] = conn
         self._sel.register(conn.sock, selectors.EVENT_READ, "reading")
-
-    def _complete(self, conn: Conn) -> bool:
-        """Move a complete head (or everything, at EOF or at the size limit) from the
-        buffer to ``conn.head``."""
-        if conn.buf[:1] in (b"\r", b"\n"):
-            # RFC 9112 2.2: empty lines before a request line are to be ignored.
-            del conn.buf[:len(conn.buf) - len(conn.buf.lstrip(b"\r\n"))]
-        n = request_head_end(conn.buf)
-        if not n and conn.eof and conn.buf.strip():
-            n = len(conn.buf)  # a half-closed client still gets an answer
-        if not n and len(conn.buf) > MAX_HEAD_BYTES:
-            conn.oversized = True
-            n = len(conn.buf)
-        if not n:
-            return False
-        conn.head = bytes(conn.buf[:n])
-        del conn.buf[:n]
-        return True
 
     def _read(self, conn: Conn | None) -> None:
         if conn is None:
@@ -326,7 +296,7 @@ class ConnectionLoop(AnswerStates):
                 self._close(conn)
                 return
         conn.buf += data
-        if self._complete(conn):
+        if take_head(conn):
             del self._reading[conn.sock.fileno()]
             self._sel.unregister(conn.sock)
             self._queued.append(conn)
@@ -353,23 +323,79 @@ class ConnectionLoop(AnswerStates):
             self._sel.register(self._listener, selectors.EVENT_READ, "listener")
 
     def _dispatch(self) -> None:
-        while self._queued and self._busy < MAX_REQUEST_THREADS:
+        while self._queued and self._requests.busy < MAX_REQUEST_THREADS:
             conn = self._queued.popleft()
-            t = threading.Thread(name=self._name + "-request", target=self._answer,
-                                 args=(conn,), daemon=True)
-            with self._lock:
-                self._workers.add(t)
-            self._busy += 1
-            try:
-                t.start()
-            except RuntimeError:
+            if not self._requests.start(conn):
                 log.warning("could not start a health request thread; closing client=%s",
                             conn.client)
-                with self._lock:
-                    self._workers.discard(t)
-                self._busy -= 1
                 self._close(conn)
                 return
+
+    # -- the loop thread: answers handed back ------------------------------------------
+
+    def _take_back(self) -> None:
+        for conn, outcome in self._requests.take_back():
+            if outcome == "write":
+                # The write deadline counts from the answer, as the request deadline did.
+                conn.deadline = time.monotonic() + REQUEST_TIMEOUT_S
+                self._writing[conn.sock.fileno()] = conn
+                self._sel.register(conn.sock, selectors.EVENT_WRITE, "writing")
+            elif outcome == "sent":
+                self._answered(conn)
+            else:
+                self._close(conn)
+
+    def _answered(self, conn: Conn) -> None:
+        if self._stop.is_set():
+            self._close(conn)  # shutting down: no next request, and no lingering either
+        elif conn.keep:
+            conn.head, conn.oversized = b"", False
+            self._await_request(conn)
+        else:
+            self._linger(conn)
+
+    def _write(self, conn: Conn | None) -> None:
+        if conn is None:
+            return
+        try:
+            conn.out = conn.out[conn.sock.send(conn.out):]
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.debug("health answer not delivered client=%s error=%r", conn.client, exc)
+            self._close(conn)
+            return
+        if not conn.out:
+            self._forget(conn)
+            self._answered(conn)
+
+    def _linger(self, conn: Conn) -> None:
+        # Closing with unread request bytes in the kernel would send a RST, and the
+        # client could lose the answer still in flight; so half-close and read until the
+        # client closes too, for a little while.
+        self._forget(conn)
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._close(conn)
+            return
+        conn.deadline = time.monotonic() + LINGER_S
+        self._lingering[conn.sock.fileno()] = conn
+        self._sel.register(conn.sock, selectors.EVENT_READ, "linger")
+
+    def _discard(self, conn: Conn | None) -> None:
+        if conn is None:
+            return
+        try:
+            if conn.sock.recv(65536):
+                return
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass
+        self._close(conn)
+
+    # -- connections and wake-ups ----------------------------------------------------
 
     def _forget(self, conn: Conn) -> None:
         fd = conn.sock.fileno()
@@ -381,6 +407,13 @@ class ConnectionLoop(AnswerStates):
         self._forget(conn)
         conn.sock.close()
 
+    def _wake(self) -> None:
+        # Any thread: request threads, stop_accepting(), begin_shutdown().
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # already awake (buffer full) or shut down
+
     def _drain_wake(self) -> None:
         try:
             while self._wake_r.recv(4096):
@@ -389,11 +422,9 @@ class ConnectionLoop(AnswerStates):
             pass
 
     def _close_all(self) -> None:
-        with self._lock:
-            self._closed = True
-            returned, self._returned = self._returned, []
+        returned = self._requests.close()
         for conn in [*self._reading.values(), *self._writing.values(),
-                     *self._lingering.values(), *self._queued, *(c for c, _ in returned)]:
+                     *self._lingering.values(), *self._queued, *returned]:
             conn.sock.close()
         self._reading.clear()
         self._writing.clear()

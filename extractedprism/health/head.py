@@ -1,9 +1,9 @@
 """An HTTP/1.x request head and one connection's state, for the health server's loop.
 
 Owns the head limits (``REQUEST_TIMEOUT_S``, ``MAX_HEAD_BYTES``, ``LINGER_S``), the
-head parser (``request_head_end``, ``is_token``) and :class:`Conn`. Pure functions and
-data: run by the loop thread (``health-http``) as bytes arrive, and by request threads
-(``health-http-request``, through httpd.py) as they answer.
+head parser (``request_head_end``, ``is_token``, ``take_head``) and :class:`Conn`. Pure
+functions and data: run by the loop thread (``health-http``, conn.py) as bytes arrive,
+and by request threads (``health-http-request``, through server.py) as they answer.
 """
 
 from __future__ import annotations
@@ -62,3 +62,22 @@ class Conn:
         self.eof = False
         self.out = memoryview(b"")
         self.keep = False
+
+
+def take_head(conn: Conn) -> bool:
+    """Move a complete head (or everything, at EOF or at the size limit) from the
+    buffer to ``conn.head``; False while more bytes are needed."""
+    if conn.buf[:1] in (b"\r", b"\n"):
+        # RFC 9112 2.2: empty lines before a request line are to be ignored.
+        del conn.buf[:len(conn.buf) - len(conn.buf.lstrip(b"\r\n"))]
+    n = request_head_end(conn.buf)
+    if not n and conn.eof and conn.buf.strip():
+        n = len(conn.buf)  # a half-closed client still gets an answer
+    if not n and len(conn.buf) > MAX_HEAD_BYTES:
+        conn.oversized = True
+        n = len(conn.buf)
+    if not n:
+        return False
+    conn.head = bytes(conn.buf[:n])
+    del conn.buf[:n]
+    return True

@@ -6,6 +6,9 @@ their loop counter and clock, not only ``is_alive()``. /healthz fails when the l
 confirmation is older than --liveness-threshold. Discovery is not part of it: provider
 failures are isolated (the watcher restarts itself) and the static endpoints keep
 serving, so a kubelet restart would only cut every connection of the node.
+
+It asks narrow questions of what app.py hands it (a lock probe, the acceptor's and the
+ticker's progress), and knows nothing of the App.
 """
 
 from __future__ import annotations
@@ -14,18 +17,61 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from extractedprism.app import App
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
 
+class AcceptorProgress(Protocol):
+    """What the heartbeat asks of the acceptor (the proxy)."""
+
+    @property
+    def handed_over(self) -> bool:
+        """A successor accepts on the listener now (this acceptor is not needed)."""
+        ...
+
+    def acceptor_alive(self) -> bool: ...
+
+    def backlog_waiting(self) -> bool:
+        """A client waits in the listen backlog."""
+        ...
+
+
+class LoopProgress(Protocol):
+    """What the heartbeat asks of the ticker: is its thread there, and when did its loop
+    last turn (monotonic)."""
+
+    last_loop: float
+
+    def alive(self) -> bool: ...
+
+
+class Acquirable(Protocol):
+    """A lock, as far as the heartbeat uses one."""
+
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+def lock_free(lock: Acquirable, timeout: float) -> bool:
+    """Whether ``lock`` can be taken within ``timeout``; given back at once."""
+    if not lock.acquire(timeout=timeout):
+        return False
+    lock.release()
+    return True
+
+
 class Heartbeat:
-    def __init__(self, app: App, *, interval: float, threshold: float, stop: threading.Event,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._app = app
+    """``lock_free(timeout)``: whether the registry lock can be taken within
+    ``timeout``; ``acceptor`` and ``ticker``: the threads whose progress is checked."""
+
+    def __init__(self, *, lock_free: Callable[[float], bool], acceptor: AcceptorProgress,
+                 ticker: LoopProgress, interval: float, threshold: float,
+                 stop: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock_free = lock_free
+        self._acceptor = acceptor
+        self._ticker = ticker
         self._interval = interval
         self._threshold = threshold
         self._stop = stop
@@ -66,18 +112,16 @@ class Heartbeat:
 
     def problem(self) -> str:
         """Empty when alive, else what is wrong."""
-        app = self._app
-        if not app.registry.lock.acquire(timeout=self._interval):
+        if not self._lock_free(self._interval):
             return "registry lock not acquired"
-        app.registry.lock.release()
-        if not app.proxy.handed_over:  # a successor accepts on our listener now
-            if not app.proxy.acceptor_alive():
+        if not self._acceptor.handed_over:  # a successor accepts on our listener now
+            if not self._acceptor.acceptor_alive():
                 return "acceptor thread exited"
             if self._acceptor_stuck():
                 return "acceptor not accepting: a client waits in the backlog"
-        if not app.ticker.alive():
+        if not self._ticker.alive():
             return "ticker thread exited"
-        age = time.monotonic() - app.ticker.last_loop
+        age = time.monotonic() - self._ticker.last_loop
         if age > self._threshold:
             return f"ticker loop stalled for {age:.1f}s"
         return ""
@@ -89,7 +133,7 @@ class Heartbeat:
         # race a client arriving just now.
         loops, seen = self._accept_loops, self._accept_seen
         self._accept_seen = loops
-        if not (self._app.proxy.backlog_waiting() and loops == seen):
+        if not (self._acceptor.backlog_waiting() and loops == seen):
             self._accept_suspect = None
             return False
         if self._accept_suspect == loops:

@@ -12,7 +12,7 @@
   at scrape time.
 
 The per-upstream series of issue 15 (dial durations, bytes) come from registry
-snapshots, in :mod:`extractedprism.metrics`.
+snapshots, in :mod:`extractedprism.health.metrics`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from prometheus_client.registry import Collector
 
 from extractedprism import __version__
 from extractedprism.discovery.status import DiscoveryView
+from extractedprism.health.metrics import PREFIX
 
-PREFIX = "extractedprism_"
 
 def register_runtime_collectors(registry: CollectorRegistry) -> None:
     """process_*, python_info and python_gc_* on ``registry``."""

@@ -27,13 +27,8 @@ from urllib.parse import unquote, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from extractedprism.health.conn import (
-    MAX_HEAD_BYTES,
-    REQUEST_TIMEOUT_S,
-    Conn,
-    ConnectionLoop,
-    is_token,
-)
+from extractedprism.health.conn import ConnectionLoop
+from extractedprism.health.head import MAX_HEAD_BYTES, REQUEST_TIMEOUT_S, Conn, is_token
 from extractedprism.health.metrics import Metrics
 from extractedprism.upstreams.registry import Registry
 

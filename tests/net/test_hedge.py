@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from extractedprism.checks.probes import ProbeResult
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.datapath import dialer as dialer_mod
+from extractedprism.upstreams.state import ProbeResult
 from tests.util import wait_until
 
 HEDGE = 0.1

@@ -455,18 +455,19 @@ def _peek_open(s: socket.socket) -> bool:
 # -- the connection loop itself ----------------------------------------------------------
 
 def _big_answer_loop(monkeypatch: pytest.MonkeyPatch, threads: int):  # type: ignore[no-untyped-def]
-    from extractedprism.health import conn as httpconn
+    from extractedprism.health import conn as conn_module
+    from extractedprism.health.head import Conn
 
-    monkeypatch.setattr(httpconn, "MAX_REQUEST_THREADS", threads)
+    monkeypatch.setattr(conn_module, "MAX_REQUEST_THREADS", threads)
     big = b"x" * (16 << 20)  # more than the kernel buffers for a client that does not read
     big_answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big
 
-    def respond(conn: httpconn.Conn) -> tuple[bytes, bool]:
+    def respond(conn: Conn) -> tuple[bytes, bool]:
         if b"/big" in conn.head:
             return big_answer, True
         return b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n", True
 
-    loop = httpconn.ConnectionLoop("127.0.0.1", 0, respond, timeout_answer=b"")
+    loop = conn_module.ConnectionLoop("127.0.0.1", 0, respond, timeout_answer=b"")
     loop.start()
     return loop, len(big_answer)
 

@@ -18,8 +18,9 @@ import pytest
 import trustme
 
 from extractedprism.checks import probes
-from extractedprism.checks.probes import ProbeResult, ReadyzSettings, probe
+from extractedprism.checks.probes import ReadyzSettings, probe
 from extractedprism.config.endpoints import Endpoint
+from extractedprism.upstreams.state import ProbeResult
 from tests.fakes.upstream import FakeUpstream, _Server
 
 SERVER_NAME = "kubernetes.default.svc"

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from extractedprism.app import SHUTDOWN_TIMEOUT_S, App
-from extractedprism.checks.probes import ProbeResult, ReadyzSettings
+from extractedprism.checks.probes import ReadyzSettings
 from extractedprism.config.endpoints import Endpoint
+from extractedprism.upstreams.state import ProbeResult
 from tests.conftest import fast_config
 from tests.fakes.fake_apiserver import FakeApiServer
 from tests.util import wait_until

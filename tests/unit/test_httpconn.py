@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extractedprism.health.conn import request_head_end
+from extractedprism.health.head import request_head_end
 
 
 @pytest.mark.parametrize("buf, end", [

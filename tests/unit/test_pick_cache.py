@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from extractedprism.checks.probes import ProbeResult
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams.registry import Registry
 from extractedprism.upstreams.selection import Candidate, eligible
+from extractedprism.upstreams.state import ProbeResult
 from tests.unit.test_registry import Clock, Conn
 
 EPS = [Endpoint(f"10.0.0.{i}", 6443) for i in range(1, 5)]

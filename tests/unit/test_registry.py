@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from extractedprism.checks.probes import ProbeResult
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.health.metrics import Metrics
 from extractedprism.upstreams.registry import Change, Registry
+from extractedprism.upstreams.state import ProbeResult
 from tests.util import sample
 
 A, B, C = "10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"
