@@ -49,7 +49,7 @@ from extractedprism.datapath.listener import (
     open_listener,
     set_accept_wake,
 )
-from extractedprism.datapath.pipe import Pipe, native_first_answer, resolve_relay, take_first
+from extractedprism.datapath.pipe import Pipe
 from extractedprism.datapath.pool import (
     PIPE_IDLE_EXIT_S,
     PIPE_IDLE_RELEASE_S,
@@ -59,6 +59,7 @@ from extractedprism.datapath.pool import (
     PoolView,
     _Worker,
 )
+from extractedprism.datapath.relay import Relay
 from extractedprism.datapath.sockopts import apply_sockopts
 from extractedprism.logs import connlog
 from extractedprism.upstreams.registry import Registry
@@ -90,9 +91,9 @@ class Proxy(PipePool):
     """Accepts clients on the listener and pipes each to an upstream from the registry."""
 
     def __init__(self, registry: Registry, *, bind_address: str, bind_port: int,
-                 dial_timeout: float, max_connections: int, pipe_sched: str = "batch",
-                 gil_cpu: str = "off",
-                 relay: str = "auto", dial_hedge_delay: float = 0.0,
+                 dial_timeout: float, max_connections: int, relay: Relay,
+                 pipe_sched: str = "batch", gil_cpu: str = "off",
+                 dial_hedge_delay: float = 0.0,
                  on_accept_loop: Callable[[], None] | None = None) -> None:
         self._registry = registry
         self._bind = (bind_address, bind_port)
@@ -102,12 +103,12 @@ class Proxy(PipePool):
         # --gil-cpu: the CPU the acceptor and pipe threads are pinned to (sched.py), or None.
         plan = sched.gil_cpu_plan(gil_cpu)
         self.gil_cpu = plan[0] if plan is not None else None
-        # The byte copy every connection uses, "native" or "python", fixed at start (raises
-        # RelayUnavailable for relay="native" without the extension).
-        self.relay = resolve_relay(relay)
-        self._native_first = native_first_answer() if self.relay == "native" else None
+        # The byte copy every connection uses, fixed at start (relay.resolve).
+        self.relay = relay
+        self._native_first = relay.first_answer
+        self._take_first = relay.take_first
         # The native relay runs the silent-upstream check itself (Pipe.run_judged).
-        self._judge_in_relay = self.relay == "native"
+        self._judge_in_relay = relay.native
         self._pin = 0 if self.gil_cpu is None else self.gil_cpu + 1  # the native relay's
         self._pool_lock = threading.Lock()
         # Live connections (slots taken), under _pool_lock; the acceptor waits on
@@ -125,7 +126,7 @@ class Proxy(PipePool):
         self._stopping = threading.Event()
         self._dialer = Dialer(registry, dial_timeout=dial_timeout,
                               hedge_delay=dial_hedge_delay, stopping=self._stopping,
-                              native=self.relay == "native")
+                              relay=relay)
         # The acceptor stops when _accept_stop is set: at shutdown, at the start of a
         # shutdown drain (live connections keep being served), or when a successor
         # accepts on the listener instead (_handed_over: the shared socket is then
@@ -367,7 +368,8 @@ class Proxy(PipePool):
                         # docs/performance.md); mostly the dial's own call did that.
                         first, sent = res.first, res.sent
                         if first is None:
-                            first, sent = take_first(client_sock.fileno(), upstream.fileno())
+                            first, sent = self._take_first(  # type: ignore[misc]
+                                client_sock.fileno(), upstream.fileno())
                     if alone and (first is None or sent == len(first)):
                         pipe.count_sent(sent)
                         attached = reg.attach(res, pipe)
