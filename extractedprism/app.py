@@ -34,6 +34,7 @@ from extractedprism.checks.ticker import Ticker
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.config.table import Config
 from extractedprism.datapath.proxy import Proxy
+from extractedprism.datapath.relay import Relay, resolve
 from extractedprism.datapath.shutdown_drain import spread_close
 from extractedprism.discovery import statefile
 from extractedprism.discovery.merge import CACHE, KUBERNETES, STATIC, Merger
@@ -68,7 +69,7 @@ class App:
     def __init__(self, config: Config, *, metrics: Metrics | None = None,
                  stop: threading.Event | None = None, sa_dir: str | None = None,
                  rng: random.Random | None = None,
-                 prober: Prober = probe) -> None:
+                 prober: Prober = probe, relay: Relay | None = None) -> None:
         self.config = config
         self.stop_event = stop or threading.Event()
         self.metrics = metrics or Metrics()
@@ -102,7 +103,8 @@ class App:
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
                            max_connections=config.max_connections,
                            pipe_sched=config.pipe_sched, gil_cpu=config.gil_cpu,
-                           relay=config.relay,
+                           # Resolved by the CLI; in-process instances (tests) from config.
+                           relay=relay if relay is not None else resolve(config.relay),
                            dial_hedge_delay=config.dial_hedge_delay,
                            on_accept_loop=self._accept_turned)
         self.heartbeat = Heartbeat(lock_free=functools.partial(lock_free, self.registry.lock),
@@ -111,7 +113,7 @@ class App:
                                    threshold=config.liveness_threshold, stop=self.stop_event)
         # The data path in use, "native" or "python" (--relay resolved; logged at start,
         # /upstreams and extractedprism_build_info{relay=...} read it here).
-        self.relay = self.proxy.relay
+        self.relay = self.proxy.relay.name
         self.merger = Merger(self.registry.set_endpoints, self.metrics,
                              static_mode=config.static_endpoints,
                              apply_roles=self.registry.set_roles)

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from extractedprism.config.parser import parse_config, unknown_env_vars
 from extractedprism.config.table import Config, ConfigError
@@ -29,6 +30,9 @@ from extractedprism.errors import Error, ListenError
 from extractedprism.logs.logfmt import FATAL
 from extractedprism.logs.setup import setup_logging, shutdown_logging
 from extractedprism.logs.threaddump import grouped_dump
+
+if TYPE_CHECKING:
+    from extractedprism.datapath.relay import Relay
 
 log = logging.getLogger("extractedprism")
 
@@ -104,10 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {problem}", file=sys.stderr)
         return 2
 
-    from extractedprism.datapath.pipe import RelayUnavailable, resolve_relay
+    from extractedprism.datapath.relay import RelayUnavailable, resolve
 
     try:
-        resolve_relay(config.relay)
+        relay = resolve(config.relay)  # once, before anything starts; App hands it on
     except RelayUnavailable as exc:
         print("extractedprism: invalid configuration:", file=sys.stderr)
         print(f"  --relay ({config.relay}): {exc}", file=sys.stderr)
@@ -115,12 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     setup_logging(config.log_level, fmt=config.log_format, background=True, capture=True)
     try:
-        return _run(config)
+        return _run(config, relay)
     finally:
         shutdown_logging()
 
 
-def _run(config: Config) -> int:
+def _run(config: Config, relay: Relay) -> int:
     warn_unknown_env_vars(os.environ)
     # SIGUSR1: named stacks from the main thread. SIGUSR2: faulthandler's dump, which
     # works even when a thread holds the GIL and the main thread cannot run.
@@ -149,7 +153,7 @@ def _run(config: Config) -> int:
     # starts them, and all of ours descend from threads started here.
     handled = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP}
     signal.pthread_sigmask(signal.SIG_BLOCK, handled)
-    app = App(config, stop=stop)
+    app = App(config, stop=stop, relay=relay)
     try:
         app.start()
     except ListenError as exc:

@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 
+from extractedprism.datapath.relay import PYTHON, Relay
 from extractedprism.datapath.sockopts import (
     addresses,
     begin_connect,
@@ -77,9 +78,9 @@ class Dialer:
     """Connects a client connection to an upstream (see the module docstring)."""
 
     def __init__(self, registry: Registry, *, dial_timeout: float, hedge_delay: float,
-                 stopping: threading.Event, native: bool = False) -> None:
+                 stopping: threading.Event, relay: Relay = PYTHON) -> None:
         self._registry = registry
-        self._native = native  # the native relay's GIL-holding connect
+        self._native = relay.native  # the native relay's GIL-holding connect
         self._timeout = dial_timeout
         # A hedge that could only start after the dial gave up would never run.
         self._hedge = hedge_delay if 0 < hedge_delay < dial_timeout else 0.0

@@ -2,7 +2,7 @@
 
 Owns open_listener (run by the main thread at start, or not at all when the listener is
 taken over from a predecessor), set_accept_wake, and the per-socket helpers the acceptor
-thread uses on each accepted client (_has_opts, _format_addr).
+thread uses on each accepted client (has_opts, format_addr).
 
 The listener may be shared with another instance (handover.py: a successor takes it
 over): accept() wakes every ``ACCEPT_WAKE_S`` (SO_RCVTIMEO on the listener, which Linux
@@ -25,7 +25,7 @@ ACCEPT_WAKE_S = 0.25
 _RCVTIMEO = struct.pack("ll", 0, int(ACCEPT_WAKE_S * 1_000_000))
 
 
-def _has_opts(sock: socket.socket) -> bool | None:
+def has_opts(sock: socket.socket) -> bool | None:
     """Whether ``sock`` carries every connection option (None: could not tell)."""
     try:
         return all(sock.getsockopt(level, name) == value
@@ -34,7 +34,8 @@ def _has_opts(sock: socket.socket) -> bool | None:
         return None  # reset already; ask the next socket
 
 
-def _format_addr(addr: tuple) -> str:  # type: ignore[type-arg]
+def format_addr(addr: tuple) -> str:  # type: ignore[type-arg]
+    """host:port, IPv6 hosts in brackets (how logs and metrics name a peer)."""
     host, port = addr[0], addr[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

@@ -1,7 +1,7 @@
 """Pipe: the two-way byte copy for one client/upstream pair, run by one pipe thread.
 
 # design
-Two relays, chosen once per process by ``--relay`` (:func:`resolve_relay`):
+Two relays, chosen once per process by ``--relay`` (relay.py's :func:`resolve`):
 
 * native (``_relay.c``): one blocking C call for the life of the connection, with the
   GIL released throughout, like a blocking ``socket.sendfile``. It polls both sockets and
@@ -38,55 +38,24 @@ import time
 from array import array
 from collections.abc import Callable
 
-from extractedprism.datapath.firstbytes import NativeFirstAnswer, first_answer
+from extractedprism.datapath import native
+from extractedprism.datapath.firstbytes import first_answer
+from extractedprism.datapath.native import HAVE_SPLICE
+from extractedprism.datapath.relay import PYTHON, Relay
 
 log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
 BUFFER_SIZE = 32 * 1024  # buffer path only; its pages count against RSS per thread
-HAVE_SPLICE = hasattr(os, "splice") and hasattr(os, "pipe2")
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 0) | getattr(os, "SPLICE_F_NONBLOCK", 0)
 
-RELAYS = ("auto", "native", "python")
-
-# The native relay (extractedprism/datapath/_relay.c), optional: built by `pip install .` where a
-# compiler is available. Why it could not be loaded is kept for --relay=native's error.
-try:
-    from extractedprism.datapath import _relay  # type: ignore[attr-defined]
-    _native: Callable[..., tuple[int, int, int]] | None = _relay.relay
-    _close_pair: Callable[[int, int, bool], None] = _relay.close_pair
-    _judged: Callable[..., tuple[int, bytes | None, int, int, int, int]] = _relay.judged_relay
-    take_first: Callable[[int, int], tuple[bytes | None, int]] | None = _relay.take_first
-    NATIVE_ERROR = ""
-except ImportError as _exc:
-    _native = None
-    _judged = None  # type: ignore[assignment]
-    take_first = None
-    NATIVE_ERROR = str(_exc) or type(_exc).__name__
-if _native is not None and not HAVE_SPLICE:
-    _native, NATIVE_ERROR = None, "this platform has no splice()"
-
-
-def native_first_answer() -> NativeFirstAnswer | None:
-    """The extension's silent-upstream check (Proxy._first_answer), if it is loaded."""
-    return None if _native is None else _relay.first_answer  # type: ignore[no-any-return]
-
-
-class RelayUnavailable(RuntimeError):
-    """--relay=native, but the extension cannot be loaded (the message says why)."""
-
-
-def resolve_relay(wanted: str) -> str:
-    """``auto``/``native``/``python`` -> the relay this process will use (native|python)."""
-    if wanted == "python":
-        return "python"
-    if _native is not None:
-        return "native"
-    if wanted == "native":
-        raise RelayUnavailable("the native relay (extractedprism.datapath._relay) cannot be "
-                               f"loaded: "
-                               f"{NATIVE_ERROR}")
-    return "python"
+# The native relay's calls (native.py loads the extension), None without it: a Pipe
+# reaches them only with the native relay, which exists only when they do.
+_ext = native.EXTENSION
+_native: Callable[..., tuple[int, int, int]] | None = None if _ext is None else _ext.relay
+_close_pair: Callable[[int, int, bool], None] | None = None if _ext is None else _ext.close_pair
+_judged: Callable[..., tuple[int, bytes | None, int, int, int, int]] | None = (
+    None if _ext is None else _ext.judged_relay)
 
 
 _EXPECTED = (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT,
@@ -186,7 +155,7 @@ class Pipe:
                  "upstream_sock")
 
     def __init__(self, client: socket.socket, upstream: socket.socket, *, client_addr: str,
-                 upstream_addr: str, relay: str = "python", mode: str | None = None,
+                 upstream_addr: str, relay: Relay = PYTHON, mode: str | None = None,
                  pin: int = 0) -> None:
         self.client_sock = client
         self.upstream_sock = upstream
@@ -206,7 +175,7 @@ class Pipe:
         # nothing, so it never shuts down a descriptor number already reused.
         self._lock = threading.Lock()
         self._done = False
-        self._relay = relay  # "native" | "python" (see resolve_relay)
+        self._relay = relay  # the process's relay (relay.resolve)
         self._pin = pin  # the pipe thread's --gil-cpu CPU + 1, or 0 (the native relay's pin)
         # The Python loop's copy: "splice" through kernel pipes or "buffer" (tests force
         # "buffer"; it is also the fallback where there is no splice or no spare fd).
@@ -240,7 +209,7 @@ class Pipe:
 
     def run(self) -> None:
         """Copy until both directions finish, an error occurs, or close() is called."""
-        if self._relay == "native" and self._mode == "splice":
+        if self._relay.native and self._mode == "splice":
             pipes = _thread_pipes()
             if pipes is not None:
                 self._run_native(pipes)
@@ -263,7 +232,7 @@ class Pipe:
         if pipes is None:  # no spare descriptor for a kernel pipe: the two-step path
             answered, first = first_answer(self.client_sock, self.upstream_sock, first,
                                            dial_timeout=timeout_ms / 1000,
-                                           native_first=_relay.first_answer, sent=sent)
+                                           native_first=self._relay.first_answer, sent=sent)
             if not answered:
                 return first
             self._run_python()
@@ -301,7 +270,7 @@ class Pipe:
             self._done = True
             cfd, ufd = c.detach(), u.detach()
         # Both closes in one GIL-holding call: two fewer GIL hand-offs per connection.
-        _close_pair(cfd, ufd, bool(err) or self._closed)
+        _close_pair(cfd, ufd, bool(err) or self._closed)  # type: ignore[misc]
 
     def _log_failure(self, exc: OSError) -> None:
         if not self.ended_by:

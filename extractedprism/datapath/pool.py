@@ -1,13 +1,28 @@
-"""The bounded pool of pipe threads: hand-off from the acceptor, parking, retirement.
+"""PipePool: the bounded pool of pipe threads, hand-off from the acceptor, parking,
+retirement.
 
-Owns the pool's bookkeeping (live connections, parked and all workers, peaks, under one
-pool lock). ``_dispatch`` runs on the acceptor thread: it takes a connection slot and
-hands the accepted socket to the most recently parked pipe thread (LIFO), or starts a
-new one. ``_worker_loop`` and ``_park`` run on each pipe thread (``pipe-idle-N`` while
-parked, ``pipe-<client>-><upstream>`` while serving), which calls ``Proxy._serve`` for
-each connection it is handed.
+# policy
+Everything that decides how many threads there are lives here (a change of policy, such
+as threads on demand, is a change to this module only):
 
-Mixed into :class:`extractedprism.datapath.proxy.Proxy`, which sets the state in ``__init__``.
+* ``PRESTART_THREADS`` threads start with the pool (``start``), so a node's usual clients
+  need no thread start (one costs ~70 us and, under load, stalls the acceptor while the
+  new thread waits for the GIL).
+* ``dispatch`` hands each accepted socket to the most recently parked thread (LIFO), so
+  hot threads with warm stacks and kernel pipes do the work; with none parked it starts
+  one, up to the connection limit.
+* ``_park``: a parked thread gives its kernel pipes back after ``PIPE_IDLE_RELEASE_S``,
+  and threads beyond the pre-started ones retire after ``idle_exit_s``.
+* ``wait_for_slot``: at ``--max-connections`` live connections the acceptor stops
+  accepting, so new clients wait in the kernel backlog (HAProxy's maxconn).
+
+# threads
+``wait_for_slot`` and ``dispatch`` run on the acceptor thread (proxy.py);
+``_worker_loop`` and ``_park`` on each pipe thread (``pipe-idle-N`` while parked; the
+``serve`` callable, Proxy._serve, renames it ``pipe-<client>-><upstream>`` while
+serving). The pool's bookkeeping (live connections, parked and all workers, peaks) is
+under one pool lock; the acceptor waits on a slot event only while saturated, so the
+common path is one C-level lock.
 """
 
 from __future__ import annotations
@@ -15,19 +30,23 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from extractedprism.datapath import sched
-from extractedprism.datapath.listener import _has_opts
 from extractedprism.datapath.pipe import release_thread_resources
 
-# The proxy's logger: these lines have always come from extractedprism.datapath.proxy.
-log = logging.getLogger("extractedprism.datapath.proxy")
+log = logging.getLogger(__name__)
 
 PRESTART_THREADS = 64  # a node's usual clients (kubelet, proxies, CNI, daemons) without a spawn
 PIPE_IDLE_EXIT_S = 10.0  # pipe threads beyond PRESTART_THREADS idle this long exit
 PIPE_IDLE_RELEASE_S = 3.0  # a parked thread idle this long closes its kernel pipes
 PIPE_THREAD_STACK = 256 * 1024  # copy loops are shallow; the default 8 MiB is address space
+SATURATED_WAIT_S = 0.5  # the acceptor's longest wait for a free slot between flag checks
+
+# What a pipe thread runs for each connection it is handed: (client socket, client
+# address, the pipe thread itself, to name it after the connection).
+Serve = Callable[[socket.socket, str, threading.Thread], None]
 
 
 @dataclass(frozen=True)
@@ -54,43 +73,88 @@ class _Worker:
 
 
 class PipePool:
-    """The pipe-thread pool half of :class:`~extractedprism.datapath.proxy.Proxy`."""
+    """Pipe threads, each serving one accepted connection at a time (see the module
+    docstring). ``stopping``: set at shutdown; parked threads then exit, busy ones when
+    their connection ends."""
 
-    # Set by Proxy.__init__.
-    _pool_lock: threading.Lock
-    _live: int
-    _peak_live: int
-    _peak_threads: int
-    _saturated: bool
-    _slot_freed: threading.Event
-    _client_opts: bool | None
-    _workers: list[_Worker]
-    _parked: list[_Worker]
-    _stopping: threading.Event
-    _seq: int
-    _sched: str
-    gil_cpu: int | None
-    _prestart: int
-    idle_exit_s: float
+    def __init__(self, serve: Serve, *, max_connections: int, pipe_sched: str,
+                 gil_cpu: int | None, stopping: threading.Event) -> None:
+        self._serve = serve
+        self._max = max_connections
+        self._sched = pipe_sched  # --pipe-sched, applied by each pipe thread to itself
+        self._gil_cpu = gil_cpu  # --gil-cpu's CPU each pipe thread pins itself to, or None
+        self._stopping = stopping
+        self._prestart = min(PRESTART_THREADS, max_connections)
+        self.idle_exit_s = PIPE_IDLE_EXIT_S
+        self._lock = threading.Lock()
+        # Live connections (slots taken), under _lock.
+        self._live = 0
+        self._peak_live = 0
+        self._peak_threads = 0
+        # At the limit (written by the acceptor only; read by releasers under _lock):
+        # a freed slot then sets _slot_freed, which the acceptor waits on.
+        self._saturated = False
+        self._slot_freed = threading.Event()
+        self._workers: list[_Worker] = []  # every pipe thread, under _lock
+        self._parked: list[_Worker] = []  # idle ones, most recently parked last
+        self._seq = 0
 
-    def _serve(self, client_sock: socket.socket, client: str, me: threading.Thread) -> None:
-        raise NotImplementedError  # Proxy._serve
+    def start(self) -> None:
+        """Start the pre-started threads (parked until the acceptor hands them work)."""
+        old = threading.stack_size(PIPE_THREAD_STACK)
+        try:
+            for _ in range(self._prestart):
+                self._spawn_worker()
+        finally:
+            threading.stack_size(old)
 
-    def pool(self) -> PoolView:
-        with self._pool_lock:
+    def view(self) -> PoolView:
+        with self._lock:
             return PoolView(len(self._workers), len(self._parked), self._live,
                             self._peak_threads, self._peak_live)
 
-    # -- acceptor thread: hand-off --------------------------------------------------
+    def stop(self) -> list[threading.Thread]:
+        """Wake every parked thread to exit (``stopping`` must be set); returns every pipe
+        thread, for the caller to join (busy ones exit when their connection ends)."""
+        with self._lock:
+            workers = list(self._workers)
+            parked, self._parked = self._parked, []
+        for w in parked:
+            w.item = None
+            w.wake.release()
+        threads = []
+        for w in workers:
+            assert w.thread is not None
+            threads.append(w.thread)
+        return threads
 
-    def _dispatch(self, sock: socket.socket, client: str) -> None:
-        if self._client_opts is None:
-            inherited = _has_opts(sock)
-            self._client_opts = None if inherited is None else not inherited
-            if self._client_opts:
-                log.debug("accepted sockets do not inherit the listener's options; "
-                          "setting them per connection")
-        with self._pool_lock:
+    # -- acceptor thread: the connection limit and the hand-off ------------------------
+
+    def wait_for_slot(self) -> bool:
+        """True when a connection slot is free: accept now. At ``--max-connections``,
+        wait up to SATURATED_WAIT_S for one to free and return False (the acceptor looks
+        at its stop flags and asks again); new clients wait in the kernel backlog."""
+        if self._live < self._max:
+            if self._saturated:  # only the acceptor writes it: no lock to read it
+                with self._lock:
+                    self._saturated = False
+                log.info("connection slots free again max_connections=%d", self._max)
+            return True
+        if not self._saturated:
+            log.warning("max connections reached; new clients wait in the backlog "
+                        "max_connections=%d", self._max)
+        with self._lock:
+            self._saturated = True
+            self._slot_freed.clear()
+            full = self._live >= self._max
+        if full:
+            self._slot_freed.wait(SATURATED_WAIT_S)
+        return False
+
+    def dispatch(self, sock: socket.socket, client: str) -> None:
+        """Take a slot for ``sock`` and hand it to the most recently parked thread, or
+        to a new one; a thread that cannot start closes the client."""
+        with self._lock:
             self._live += 1
             if self._live > self._peak_live:
                 self._peak_live = self._live
@@ -112,7 +176,7 @@ class PipePool:
     def _spawn_worker(self, item: tuple[socket.socket, str] | None = None) -> None:
         w = _Worker()
         w.item = item
-        with self._pool_lock:
+        with self._lock:
             self._seq += 1
             w.thread = threading.Thread(name=f"pipe-idle-{self._seq}",
                                         target=self._worker_loop, args=(w,), daemon=True)
@@ -122,12 +186,12 @@ class PipePool:
         try:
             w.thread.start()
         except RuntimeError:
-            with self._pool_lock:
+            with self._lock:
                 self._workers.remove(w)
             raise
 
     def _release_slot(self) -> None:
-        with self._pool_lock:
+        with self._lock:
             self._live -= 1
             if self._saturated:
                 self._slot_freed.set()
@@ -138,8 +202,8 @@ class PipePool:
         me = threading.current_thread()
         idle_name = me.name
         sched.apply_to_current_thread(self._sched)
-        if self.gil_cpu is not None:
-            sched.pin_current_thread(self.gil_cpu)
+        if self._gil_cpu is not None:
+            sched.pin_current_thread(self._gil_cpu)
         try:
             while True:
                 item, w.item = w.item, None
@@ -169,7 +233,7 @@ class PipePool:
         pool after idle_exit_s (the LIFO hand-off keeps them the coldest), so threads
         and descriptors return to the idle baseline.
         """
-        with self._pool_lock:
+        with self._lock:
             if served:
                 self._live -= 1
                 if self._saturated:
@@ -184,7 +248,7 @@ class PipePool:
             release_thread_resources()
             rest = max(0.05, self.idle_exit_s - PIPE_IDLE_RELEASE_S)
             while not w.wake.acquire(timeout=rest):
-                with self._pool_lock:
+                with self._lock:
                     if w in self._parked and len(self._workers) > self._prestart:
                         self._parked.remove(w)
                         self._workers.remove(w)
@@ -192,9 +256,8 @@ class PipePool:
                 # Still parked (pre-started), or the acceptor just picked this thread
                 # and is about to release wake: wait again.
         if w.item is None:  # shutdown
-            with self._pool_lock:
+            with self._lock:
                 if w in self._workers:
                     self._workers.remove(w)
             return False
         return True
-

@@ -1,16 +1,13 @@
-"""Proxy: the listener, the acceptor thread and the bounded pool of pipe threads.
+"""Proxy: the listener, the acceptor thread, and what each pipe thread does per connection.
 
 # design
 The acceptor thread owns the listening socket. It counts live connections against
-``--max-connections`` (one counter under the pool lock); at the limit it stops accepting, so
+``--max-connections`` (the pool's counter); at the limit it stops accepting, so
 new clients wait in the kernel backlog (HAProxy's maxconn) instead of piling up
-threads. Each accepted socket is handed straight to one parked pipe thread: the most recently
-parked one (LIFO), so hot threads with warm stacks and kernel pipes do the work, and
-threads beyond the pre-started ones stay cold and retire after a minute idle. The
-pool is pre-started with 64 threads (a node's usual clients need no thread start:
-one costs ~70 us and, under load, stalls the acceptor while the new thread waits
-for the GIL) and grows on demand up to the limit. Each pipe thread then does
-pick -> dial -> copy for its connection, so the acceptor never waits on an upstream.
+threads. Each accepted socket is handed straight to one parked pipe thread of the pipe
+pool (pool.py holds the pool's policy: LIFO hand-off, 64 pre-started threads, growth up
+to the limit, retirement when idle). Each pipe thread then does pick -> dial -> copy for
+its connection (``_serve``), so the acceptor never waits on an upstream.
 
 Dial failures never reach the client while another upstream is pickable: each failed
 dial counts toward that upstream's failure streak and the connection moves on, trying
@@ -24,9 +21,10 @@ as descriptors free up.
 
 # modules
 The listening socket and its accept wake-up live in listener.py, the pipe-thread pool
-in pipepool.py, the silent-upstream check on the client's first bytes in firstbytes.py.
-The acceptor thread runs ``_accept_loop``; each pipe thread runs ``_serve`` for the
-connection it is handed (pipepool.py).
+in pool.py, the dial in dialer.py, the silent-upstream check on the client's first bytes
+in firstbytes.py, the byte copy in pipe.py, and the relay strategy (``--relay``, resolved
+once) in relay.py. The acceptor thread runs ``_accept_loop``; each pipe thread runs
+``_serve`` for the connection it is handed (PipePool calls it).
 """
 
 from __future__ import annotations
@@ -41,91 +39,54 @@ from collections.abc import Callable
 
 from extractedprism.datapath import sched
 from extractedprism.datapath.dialer import FD_ERRNOS, Dialer
-from extractedprism.datapath.firstbytes import FIRST_BYTES_MAX, first_answer
-from extractedprism.datapath.listener import (
-    ACCEPT_WAKE_S,
-    _format_addr,
-    _has_opts,
-    open_listener,
-    set_accept_wake,
-)
-from extractedprism.datapath.pipe import Pipe, native_first_answer, resolve_relay, take_first
-from extractedprism.datapath.pool import (
-    PIPE_IDLE_EXIT_S,
-    PIPE_IDLE_RELEASE_S,
-    PIPE_THREAD_STACK,
-    PRESTART_THREADS,
-    PipePool,
-    PoolView,
-    _Worker,
-)
+from extractedprism.datapath.firstbytes import first_answer
+from extractedprism.datapath.listener import format_addr, has_opts, open_listener, set_accept_wake
+from extractedprism.datapath.pipe import Pipe
+from extractedprism.datapath.pool import PipePool
+from extractedprism.datapath.relay import Relay
 from extractedprism.datapath.sockopts import apply_sockopts
 from extractedprism.logs import connlog
 from extractedprism.upstreams.registry import Registry
 
-# Re-exported: the names other modules and tests import from here.
-__all__ = [
-    "ACCEPT_WAKE_S",
-    "FIRST_BYTES_MAX",
-    "PIPE_IDLE_EXIT_S",
-    "PIPE_IDLE_RELEASE_S",
-    "PIPE_THREAD_STACK",
-    "PRESTART_THREADS",
-    "PoolView",
-    "Proxy",
-    "_format_addr",
-    "_has_opts",
-    "open_listener",
-    "set_accept_wake",
-]
-
 log = logging.getLogger(__name__)
 
-_FD_ERRNOS = FD_ERRNOS
 # Failures that repeat once per client during an outage: first line, then summaries.
 _no_upstream = connlog.RateLimited(log, logging.INFO, "no upstream available; closing client")
 
 
-class Proxy(PipePool):
+class Proxy:
     """Accepts clients on the listener and pipes each to an upstream from the registry."""
 
     def __init__(self, registry: Registry, *, bind_address: str, bind_port: int,
-                 dial_timeout: float, max_connections: int, pipe_sched: str = "batch",
-                 gil_cpu: str = "off",
-                 relay: str = "auto", dial_hedge_delay: float = 0.0,
+                 dial_timeout: float, max_connections: int, relay: Relay,
+                 pipe_sched: str = "batch", gil_cpu: str = "off",
+                 dial_hedge_delay: float = 0.0,
                  on_accept_loop: Callable[[], None] | None = None) -> None:
         self._registry = registry
         self._bind = (bind_address, bind_port)
         self._dial_timeout = dial_timeout
-        self._max = max_connections
         self._sched = pipe_sched
         # --gil-cpu: the CPU the acceptor and pipe threads are pinned to (sched.py), or None.
         plan = sched.gil_cpu_plan(gil_cpu)
         self.gil_cpu = plan[0] if plan is not None else None
-        # The byte copy every connection uses, "native" or "python", fixed at start (raises
-        # RelayUnavailable for relay="native" without the extension).
-        self.relay = resolve_relay(relay)
-        self._native_first = native_first_answer() if self.relay == "native" else None
+        # The byte copy every connection uses, fixed at start (relay.resolve).
+        self.relay = relay
+        self._native_first = relay.first_answer
+        self._take_first = relay.take_first
         # The native relay runs the silent-upstream check itself (Pipe.run_judged).
-        self._judge_in_relay = self.relay == "native"
+        self._judge_in_relay = relay.native
         self._pin = 0 if self.gil_cpu is None else self.gil_cpu + 1  # the native relay's
-        self._pool_lock = threading.Lock()
-        # Live connections (slots taken), under _pool_lock; the acceptor waits on
-        # _slot_freed only while saturated, so the common path is one C-level lock.
-        self._live = 0
-        self._peak_live = 0
-        self._peak_threads = 0
-        self._saturated = False
-        self._slot_freed = threading.Event()
         # Whether accepted sockets still need the connection options set one by one
         # (decided on the first accepted socket; see open_listener).
         self._client_opts: bool | None = None
-        self._workers: list[_Worker] = []  # every pipe thread, under _pool_lock
-        self._parked: list[_Worker] = []  # idle ones, most recently parked last
         self._stopping = threading.Event()
+        # The pipe threads (their counts: pipe_pool.view()).
+        self.pipe_pool = PipePool(self._serve, max_connections=max_connections,
+                                  pipe_sched=pipe_sched, gil_cpu=self.gil_cpu,
+                                  stopping=self._stopping)
         self._dialer = Dialer(registry, dial_timeout=dial_timeout,
                               hedge_delay=dial_hedge_delay, stopping=self._stopping,
-                              native=self.relay == "native")
+                              relay=relay)
         # The acceptor stops when _accept_stop is set: at shutdown, at the start of a
         # shutdown drain (live connections keep being served), or when a successor
         # accepts on the listener instead (_handed_over: the shared socket is then
@@ -136,10 +97,7 @@ class Proxy(PipePool):
         self._listener: socket.socket | None = None
         self._address: tuple[str, int] | None = None
         self._acceptor: threading.Thread | None = None
-        self._seq = 0
         self._on_accept_loop = on_accept_loop
-        self._prestart = min(PRESTART_THREADS, max_connections)
-        self.idle_exit_s = PIPE_IDLE_EXIT_S
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -193,18 +151,12 @@ class Proxy(PipePool):
     def start(self) -> None:
         if self._listener is None:
             self.bind()
-        old = threading.stack_size(PIPE_THREAD_STACK)
-        try:
-            for _ in range(self._prestart):
-                self._spawn_worker()
-        finally:
-            threading.stack_size(old)
+        self.pipe_pool.start()
         self._acceptor = threading.Thread(name="acceptor", target=self._accept_loop,
                                           daemon=True)
         self._acceptor.start()
         if self.gil_cpu is not None:
             log.info("acceptor and pipe threads run Python on one CPU cpu=%d", self.gil_cpu)
-
 
     def acceptor_alive(self) -> bool:
         return self._acceptor is not None and self._acceptor.is_alive()
@@ -246,17 +198,10 @@ class Proxy(PipePool):
         closed = self._registry.close_all()
         if closed:
             log.info("shutdown: force-closed connections count=%d", closed)
-        with self._pool_lock:
-            workers = list(self._workers)
-            parked, self._parked = self._parked, []
-        for w in parked:  # busy ones see _stopping when their connection ends
-            w.item = None
-            w.wake.release()
+        threads = self.pipe_pool.stop()  # busy ones see _stopping when their connection ends
         ok = True
         self._dialer.shutdown()
-        for w in workers:
-            t = w.thread
-            assert t is not None
+        for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 ok = False
@@ -275,28 +220,13 @@ class Proxy(PipePool):
         # socket.accept() converts family and type to enums on every call; the raw
         # accept plus a socket built from known ints does the same work without that.
         raw_accept = listener._accept  # type: ignore[attr-defined]
-        saturated = False
+        wait_for_slot, dispatch = self.pipe_pool.wait_for_slot, self.pipe_pool.dispatch
         fd_backoff = 0.0
         while not self._accept_stop.is_set():
             if self._on_accept_loop is not None:
                 self._on_accept_loop()
-            if self._live >= self._max:
-                if not saturated:
-                    saturated = True
-                    log.warning("max connections reached; new clients wait in the backlog "
-                                "max_connections=%d", self._max)
-                with self._pool_lock:
-                    self._saturated = True
-                    self._slot_freed.clear()
-                    full = self._live >= self._max
-                if full:
-                    self._slot_freed.wait(0.5)
+            if not wait_for_slot():  # at --max-connections: clients wait in the backlog
                 continue
-            if saturated:
-                saturated = False
-                with self._pool_lock:
-                    self._saturated = False
-                log.info("connection slots free again max_connections=%d", self._max)
             try:
                 fd, addr = raw_accept()
                 sock = socket.socket(family, socket.SOCK_STREAM, 0, fd)
@@ -305,7 +235,7 @@ class Proxy(PipePool):
                     break
                 if exc.errno == errno.EAGAIN:  # SO_RCVTIMEO: look at the flags again
                     continue
-                if exc.errno in _FD_ERRNOS:
+                if exc.errno in FD_ERRNOS:
                     # Once per episode at warning ("accept recovered" ends it); the
                     # retries of one episode at debug.
                     log.log(logging.DEBUG if fd_backoff else logging.WARNING,
@@ -320,10 +250,21 @@ class Proxy(PipePool):
             if fd_backoff:
                 fd_backoff = 0.0
                 log.info("accept recovered")
-            self._dispatch(sock, _format_addr(addr))
+            if self._client_opts is None:
+                self._learn_client_opts(sock)
+            dispatch(sock, format_addr(addr))
         log.debug("acceptor stopped")
 
-    # -- pipe threads (pipepool.PipePool._worker_loop calls this) ------------------------
+    def _learn_client_opts(self, sock: socket.socket) -> None:
+        """Whether accepted sockets inherit the listener's options (the first one
+        that can tell decides), or each needs them set (in _serve)."""
+        inherited = has_opts(sock)
+        self._client_opts = None if inherited is None else not inherited
+        if self._client_opts:
+            log.debug("accepted sockets do not inherit the listener's options; "
+                      "setting them per connection")
+
+    # -- pipe threads (PipePool._worker_loop calls this) ----------------------------------
 
     def _serve(self, client_sock: socket.socket, client: str, me: threading.Thread) -> None:
         if self._stopping.is_set():
@@ -367,7 +308,8 @@ class Proxy(PipePool):
                         # docs/performance.md); mostly the dial's own call did that.
                         first, sent = res.first, res.sent
                         if first is None:
-                            first, sent = take_first(client_sock.fileno(), upstream.fileno())
+                            first, sent = self._take_first(  # type: ignore[misc]
+                                client_sock.fileno(), upstream.fileno())
                     if alone and (first is None or sent == len(first)):
                         pipe.count_sent(sent)
                         attached = reg.attach(res, pipe)

@@ -17,6 +17,7 @@ import socket
 import time
 
 from extractedprism.config.endpoints import Endpoint
+from extractedprism.datapath import native
 
 KEEPALIVE_IDLE_S = 30
 KEEPALIVE_INTERVAL_S = 15  # Go's net.Dialer default probe interval
@@ -47,10 +48,9 @@ def _opts() -> list[SockOpt]:
 CONNECTION_SOCKOPTS: list[SockOpt] = _opts()
 _OPTS = tuple(CONNECTION_SOCKOPTS)
 
-try:  # the native relay's GIL-holding connect (see begin_connect)
-    from extractedprism.datapath._relay import connect as _native_connect  # type: ignore[attr-defined]
-except ImportError:
-    _native_connect = None
+# The native relay's GIL-holding connect (see begin_connect), when native.py loaded the
+# extension.
+_native_connect = None if native.EXTENSION is None else native.EXTENSION.connect
 
 
 def apply_sockopts(sock: socket.socket, opts: list[SockOpt] = CONNECTION_SOCKOPTS) -> None:

@@ -147,9 +147,9 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
     """A connection whose upstream starts draining while it is dialed gets one retry."""
     ups = servers(2)
     app = make_app([u.endpoint for u in ups], drain_timeout=5.0)
-    from extractedprism.datapath import dialer as proxy_mod  # where the blocking dial is called
+    from extractedprism.datapath import dialer as dialer_mod  # where the blocking dial is called
 
-    real_dial = proxy_mod.dial
+    real_dial = dialer_mod.dial
     fired = threading.Event()
 
     def racing_dial(ep: Endpoint, timeout: float, *rest: bool) -> socket.socket:
@@ -163,7 +163,7 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
         view = app.registry.snapshot().get(ups[0].address)
         return 0 if view is None else view.active_connections
 
-    real_native = proxy_mod.native_connect
+    real_native = dialer_mod.native_connect
 
     def racing_native(target, *rest):  # type: ignore[no-untyped-def]
         # The native relay's first dial of a numeric endpoint (Dialer._fast).
@@ -173,8 +173,8 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
             app.registry.set_endpoints([ups[1].endpoint])  # drain starts mid-dial
         return got
 
-    proxy_mod.dial = racing_dial
-    proxy_mod.native_connect = racing_native
+    dialer_mod.dial = racing_dial
+    dialer_mod.native_connect = racing_native
     try:
         for _ in range(50):
             with connect(app) as s:
@@ -189,8 +189,8 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
                                message="nothing attached to the draining up0")
                     break
     finally:
-        proxy_mod.dial = real_dial
-        proxy_mod.native_connect = real_native
+        dialer_mod.dial = real_dial
+        dialer_mod.native_connect = real_native
     assert fired.is_set()
     wait_until(lambda: app.registry.snapshot().get(ups[0].address) is None, 5,
                message="the drained up0 removed")
@@ -221,11 +221,11 @@ def test_max_connections_backpressure(make_app, servers):
 def test_pool_shrinks_back_after_a_burst(make_app, servers):
     import os as _os
 
-    from extractedprism.datapath.proxy import PRESTART_THREADS
+    from extractedprism.datapath.pool import PRESTART_THREADS
 
     ups = servers(1)
     app = make_app([u.endpoint for u in ups])
-    app.proxy.idle_exit_s = 0.3
+    app.proxy.pipe_pool.idle_exit_s = 0.3
 
     def pipe_threads() -> int:
         return sum(1 for t in threading.enumerate() if t.name.startswith("pipe-"))

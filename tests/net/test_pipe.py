@@ -10,6 +10,7 @@ import pytest
 
 from extractedprism.datapath import pipe as pipe_mod
 from extractedprism.datapath.pipe import Pipe
+from extractedprism.datapath.relay import resolve
 from tests.util import wait_until
 
 
@@ -44,7 +45,8 @@ PATH_IDS = ["native", "python", "python-buffer"]
 def make_pipe(client: socket.socket, upstream: socket.socket, path: tuple[str, str],
               name: str = "c") -> Pipe:
     relay, mode = path
-    return Pipe(client, upstream, client_addr=name, upstream_addr="u", relay=relay, mode=mode)
+    return Pipe(client, upstream, client_addr=name, upstream_addr="u", relay=resolve(relay),
+                mode=mode)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from extractedprism.datapath import proxy as proxy_mod
+from extractedprism.datapath import pool as pool_mod
 from tests.fakes.upstream import IdentityServer
 from tests.util import wait_until
 
@@ -32,7 +32,7 @@ def test_burst_of_1000_connections_returns_to_the_idle_baseline(make_app, server
     ups = servers(2, IdentityServer)
     app = make_app([u.endpoint for u in ups], relay=relay)
     # The idle baseline: the pre-started pool, before any connection (no kernel pipes).
-    wait_until(lambda: _pipe_threads() >= proxy_mod.PRESTART_THREADS, 5)
+    wait_until(lambda: _pipe_threads() >= pool_mod.PRESTART_THREADS, 5)
     threads0, fds0 = _pipe_threads(), _fds()
     # Sampled throughout: a thread is either idle or serving a live connection, never
     # neither (a finished thread that has not parked yet made the acceptor start
@@ -42,7 +42,7 @@ def test_burst_of_1000_connections_returns_to_the_idle_baseline(make_app, server
 
     def sample() -> None:
         while not done.is_set():
-            p = app.proxy.pool()
+            p = app.proxy.pipe_pool.view()
             if p.threads - p.idle > p.live:
                 bad.append(p)
             time.sleep(0.0005)
@@ -61,9 +61,9 @@ def test_burst_of_1000_connections_returns_to_the_idle_baseline(make_app, server
     sampler.join(5)
     assert i == 999, "the burst did not finish in time"
     assert not bad, bad[:3]
-    pool = app.proxy.pool()
+    pool = app.proxy.pipe_pool.view()
     # Never more threads than connections alive at once (beyond the pre-started ones).
-    assert pool.peak_threads <= max(proxy_mod.PRESTART_THREADS, pool.peak_live), pool
+    assert pool.peak_threads <= max(pool_mod.PRESTART_THREADS, pool.peak_live), pool
     t_end = time.monotonic()
     # Back to the baseline within 20 s: the extra threads exit, and parked threads give
     # their kernel pipes back.

@@ -19,6 +19,7 @@ import pytest
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.datapath import pipe as pipe_mod
 from extractedprism.datapath.proxy import Proxy
+from extractedprism.datapath.relay import resolve
 from extractedprism.datapath.sockopts import USER_TIMEOUT_MS
 from extractedprism.upstreams.registry import Registry
 from tests.fakes.upstream import EchoServer
@@ -401,7 +402,7 @@ def test_accept_out_of_descriptors_warns_once_per_episode(servers, caplog):
                    max_connections=16)
     reg.set_endpoints([up.endpoint])
     px = Proxy(reg, bind_address="127.0.0.1", bind_port=0, dial_timeout=1.0,
-               max_connections=16)
+               max_connections=16, relay=resolve("auto"))
     px.bind()
     assert px._listener is not None
     px._listener = _ListenerOutOfFds(px._listener, failures=4)  # type: ignore[assignment]

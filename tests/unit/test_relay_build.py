@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from extractedprism.datapath import pipe
+from extractedprism.datapath import native
+from extractedprism.datapath.relay import RelayUnavailable, resolve
 from tests.util import PYTHON, ROOT, free_ports
 
 SOURCE = ROOT / "extractedprism" / "datapath" / "_relay.c"
@@ -29,18 +30,18 @@ def test_extension_compiles_without_warnings(tmp_path: Path) -> None:
 
 def test_the_installed_package_carries_the_native_relay() -> None:
     # `pip install .` built it here (a compiler is present): auto means native.
-    assert pipe.NATIVE_ERROR == ""
-    assert pipe.resolve_relay("auto") == "native"
-    assert pipe.resolve_relay("native") == "native"
-    assert pipe.resolve_relay("python") == "python"
+    assert native.ERROR == ""
+    assert resolve("auto").name == "native"
+    assert resolve("native").name == "native"
+    assert resolve("python").name == "python"
 
 
 def test_without_the_extension_auto_falls_back_and_native_is_refused(monkeypatch) -> None:
-    monkeypatch.setattr(pipe, "_native", None)
-    monkeypatch.setattr(pipe, "NATIVE_ERROR", "No module named 'extractedprism.datapath._relay'")
-    assert pipe.resolve_relay("auto") == "python"
-    with pytest.raises(pipe.RelayUnavailable, match="cannot be loaded: No module named"):
-        pipe.resolve_relay("native")
+    monkeypatch.setattr(native, "EXTENSION", None)
+    monkeypatch.setattr(native, "ERROR", "No module named 'extractedprism.datapath._relay'")
+    assert resolve("auto").name == "python"
+    with pytest.raises(RelayUnavailable, match="cannot be loaded: No module named"):
+        resolve("native")
 
 
 def _copy_without_extension(tmp_path: Path) -> Path:
