@@ -3,23 +3,24 @@
 Owns the latest endpoint list of every provider ("static" from the main thread at
 start-up, "cache" from the state file at start-up, "kubernetes" from the watcher
 thread) and the merged list last handed to ``apply`` (the registry), with each
-endpoint's :class:`Roles`: the providers that list it, and whether it is a static
-endpoint kept only as a last resort (``--static-endpoints=fallback``: once discovery
-has produced a non-empty list, static endpoints missing from it). One lock serialises
-updates so two providers can never apply their merges out of order; ``apply`` must be
-short and do no I/O (registry methods are). An empty merge is skipped, so a discovery
-hiccup can never route to zero backends.
+endpoint's :class:`~extractedprism.upstreams.roles.Roles`: the providers that list it,
+and whether it is a static endpoint kept only as a last resort
+(``--static-endpoints=fallback``: once discovery has produced a non-empty list, static
+endpoints missing from it). One lock serialises updates so two providers can never
+apply their merges out of order; ``apply`` must be short and do no I/O (registry
+methods are). An empty merge is skipped, so a discovery hiccup can never route to zero
+backends.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.health.metrics import Metrics
+from extractedprism.upstreams.roles import Roles
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +28,6 @@ STATIC = "static"
 KUBERNETES = "kubernetes"
 CACHE = "cache"
 _ORDER = (STATIC, KUBERNETES, CACHE)
-
-
-@dataclass(frozen=True)
-class Roles:
-    """Per address of a merged list: the providers listing it (in ``_ORDER``), and the
-    static ones demoted to a last resort."""
-
-    sources: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    fallback: frozenset[str] = frozenset()
 
 
 class Merger:

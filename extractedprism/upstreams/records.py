@@ -56,7 +56,7 @@ class Record:
     connection_errors: int = 0
     bytes_up: int = 0  # of finished connections
     bytes_down: int = 0
-    sources: tuple[str, ...] = ()  # the providers listing it (merge.Roles)
+    sources: tuple[str, ...] = ()  # the providers listing it (roles.Roles)
 
     def set_role(self, addr: str, demoted: bool, fx: Effects) -> None:
         """Demoted to a fallback (a static endpoint discovery does not list) or back."""

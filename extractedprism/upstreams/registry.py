@@ -29,7 +29,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams import state as sm
@@ -38,12 +37,10 @@ from extractedprism.upstreams.effects import Change, Effects
 from extractedprism.upstreams.latency import LatencyTiers
 from extractedprism.upstreams.records import Record, Tracked, last_success, readiness_moves, started
 from extractedprism.upstreams.reservation import Reservation
+from extractedprism.upstreams.roles import Roles
 from extractedprism.upstreams.selection import Candidate, choose, eligible, pick
 from extractedprism.upstreams.snapshot import ConnView, Snapshot
 from extractedprism.upstreams.state import ProbeResult, Readiness
-
-if TYPE_CHECKING:
-    from extractedprism.discovery.merge import Roles
 
 log = logging.getLogger(__name__)
 _STATE = operator.attrgetter("state")

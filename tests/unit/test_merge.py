@@ -9,8 +9,9 @@ from collections.abc import Callable
 import pytest
 
 from extractedprism.config.endpoints import Endpoint, parse_endpoint
-from extractedprism.discovery.merge import Merger, Roles
+from extractedprism.discovery.merge import Merger
 from extractedprism.health.metrics import Metrics
+from extractedprism.upstreams.roles import Roles
 from tests.util import sample
 
 pytestmark = pytest.mark.timeout(30)

@@ -4,9 +4,10 @@ the FALLBACK lifecycle of the upstream state machine (pure)."""
 from __future__ import annotations
 
 from extractedprism.config.endpoints import Endpoint, parse_endpoint
-from extractedprism.discovery.merge import Merger, Roles
+from extractedprism.discovery.merge import Merger
 from extractedprism.health.metrics import Metrics
 from extractedprism.upstreams import state as sm
+from extractedprism.upstreams.roles import Roles
 from extractedprism.upstreams.selection import Candidate, choose
 from tests.util import FixedRandom
 
