@@ -50,7 +50,8 @@ from extractedprism.health.opsmetrics import (
 from extractedprism.health.server import HealthServer
 from extractedprism.ops import handover
 from extractedprism.ops.admin import AdminServer
-from extractedprism.upstreams.registry import Change, Registry
+from extractedprism.upstreams.effects import Change
+from extractedprism.upstreams.registry import Registry
 
 if TYPE_CHECKING:
     from extractedprism.discovery.watch import KubernetesProvider

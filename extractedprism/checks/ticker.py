@@ -19,7 +19,8 @@ from collections.abc import Callable
 from extractedprism.checks.probes import ProbeResult, ReadyzSettings, probe
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.threads import join_until
-from extractedprism.upstreams.registry import Change, Registry
+from extractedprism.upstreams.effects import Change
+from extractedprism.upstreams.registry import Registry
 
 log = logging.getLogger(__name__)
 

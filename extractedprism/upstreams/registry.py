@@ -45,8 +45,6 @@ from extractedprism.upstreams.state import ProbeResult, Readiness
 log = logging.getLogger(__name__)
 _STATE = operator.attrgetter("state")
 
-__all__ = ["Change", "ProbeResult", "Readiness", "Registry", "Tracked"]
-
 
 class Registry(AdminActions):
     """Upstream records, live connections, counters and deadlines behind one RLock."""

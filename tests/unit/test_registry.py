@@ -11,7 +11,8 @@ import pytest
 from extractedprism.checks.probes import ProbeResult
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.health.metrics import Metrics
-from extractedprism.upstreams.registry import Change, Registry
+from extractedprism.upstreams.effects import Change
+from extractedprism.upstreams.registry import Registry
 from tests.util import sample
 
 A, B, C = "10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"
