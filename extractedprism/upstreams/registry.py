@@ -3,7 +3,7 @@
 Every thread reads and changes upstream state only through this object:
 
 * the ticker's probe threads call :meth:`record_probe`;
-* pipe threads call :meth:`pick`, :meth:`record_dial`, :meth:`attach`, :meth:`detach`;
+* pipe threads call :meth:`reserve`, :meth:`record_dial`, :meth:`attach`, :meth:`detach`;
 * discovery calls :meth:`set_endpoints`;
 * the ticker calls :meth:`tick` to expire drain and readiness deadlines;
 * the admin socket calls :meth:`admin_drain`, :meth:`admin_undrain`, :meth:`admin_close`;
@@ -160,12 +160,6 @@ class Registry(AdminActions):
 
     # -- selection ----------------------------------------------------------------
 
-    def pick(self, exclude: Iterable[str] = ()) -> Endpoint | None:
-        """The upstream a new connection would get now (no reservation; see reserve)."""
-        with self.lock:
-            addr = self._choose_locked(exclude)
-            return None if addr is None else self._ups[addr].endpoint
-
     def reserve(self, exclude: Iterable[str] = ()) -> Reservation | None:
         """Pick the upstream for a new connection and count its dial in flight, so
         concurrent picks see each other; None when nothing is pickable."""
@@ -229,11 +223,6 @@ class Registry(AdminActions):
         skip = frozenset(exclude)
         with self.lock:
             return any(r.state.pickable and a not in skip for a, r in self._ups.items())
-
-    @staticmethod
-    def abandon(reservation: Reservation) -> None:
-        """A reserved upstream was not used after all (its dial failed)."""
-        reservation.release()
 
     def panic_order(self, exclude: Iterable[str] = ()) -> list[Endpoint]:
         """Every non-draining upstream, most recently successful first (panic mode)."""

@@ -12,7 +12,7 @@ from extractedprism.checks.probes import ProbeResult
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams.registry import Registry
 from extractedprism.upstreams.selection import Candidate, eligible
-from tests.unit.test_registry import Clock, Conn
+from tests.unit.test_registry import Clock, Conn, picked
 
 EPS = [Endpoint(f"10.0.0.{i}", 6443) for i in range(1, 5)]
 
@@ -67,7 +67,7 @@ def test_picks_follow_every_state_change(mode: str, readyz: bool) -> None:
         else:
             reg.tick()
         want = allowed(reg, mode, readyz)
-        got = {reg.pick() for _ in range(60)}
+        got = {picked(reg) for _ in range(60)}
         if not want:
             assert got == {None}, f"step {step}: picked {got} with nothing pickable"
             continue

@@ -11,7 +11,7 @@ import pytest
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams import state as sm
 from extractedprism.upstreams.registry import Registry
-from tests.unit.test_registry import DOWN, EPS, OK, Clock, Conn, ready
+from tests.unit.test_registry import DOWN, EPS, OK, Clock, Conn, picked, ready
 
 A, B, C = (str(e) for e in EPS)
 
@@ -150,7 +150,7 @@ def test_drain_stops_picks_keeps_connections_and_probes() -> None:
     assert (v.state, v.draining, v.draining_reason, v.pickable) == (
         "admin-drain", False, "admin", False)
     assert v.admin is not None and (v.admin.action, v.admin.uid) == ("drain", 1000)
-    assert all(str(reg.pick()) != A for _ in range(50))
+    assert all(str(picked(reg)) != A for _ in range(50))
     assert not reg.attach(A, Conn("late"))  # a dial in flight when the drain came
     assert A in {str(e) for e in reg.probe_targets()}
     clock.now = 2000.0
@@ -161,7 +161,7 @@ def test_drain_stops_picks_keeps_connections_and_probes() -> None:
     code, message = reg.admin_undrain(A, 1000)
     assert code == 0 and "unhealthy" in message
     assert view(reg, A).state == "unhealthy" and view(reg, A).admin is None
-    assert all(str(reg.pick()) != A for _ in range(50))
+    assert all(str(picked(reg)) != A for _ in range(50))
     reg.record_probe(A, OK)
     assert view(reg, A).pickable
 
@@ -246,10 +246,10 @@ def test_every_upstream_drained_means_panic_and_not_ready() -> None:
     for addr in (A, B, C):
         reg.admin_drain(addr, 0)
     assert not reg.healthy()
-    assert reg.pick() is None and reg.panic_order() == []
+    assert picked(reg) is None and reg.panic_order() == []
     assert reg.snapshot().panic
     reg.admin_undrain(B, 0)
-    assert reg.healthy() and str(reg.pick()) == B
+    assert reg.healthy() and str(picked(reg)) == B
 
 
 def test_drain_survives_a_readd_but_not_a_completed_removal() -> None:
