@@ -50,6 +50,7 @@ from extractedprism.health.opsmetrics import (
 from extractedprism.health.server import HealthServer
 from extractedprism.ops import handover
 from extractedprism.ops.admin import AdminServer
+from extractedprism.upstreams.actions import AdminActions
 from extractedprism.upstreams.effects import Change
 from extractedprism.upstreams.registry import Registry
 
@@ -242,7 +243,8 @@ class App:
         if cfg.admin_socket:
             # Before any thread runs, like the listeners: a bad path fails the start
             # (exit 1, naming the flag) and the caller's stop() closes what is open.
-            admin = AdminServer(cfg.admin_socket, self.registry, self.admin_listing)
+            admin = AdminServer(cfg.admin_socket, AdminActions(self.registry),
+                                self.admin_listing)
             admin.bind()
             self.admin = admin
         if cfg.health_check == "readyz":
