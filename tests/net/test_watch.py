@@ -853,8 +853,10 @@ def test_a_list_over_the_size_cap_is_a_counted_failed_list(
     h = Harness(api, sa_dir)
     h.provider.start()
     try:
-        wait_until(lambda: h.errors() >= 1, 10, message="the oversized list counted")
-        assert "EndpointSlice list larger than 50 bytes" in caplog.text
+        # The watcher counts the failure just before it logs it: wait for both.
+        wait_until(lambda: h.errors() >= 1
+                   and "EndpointSlice list larger than 50 bytes" in caplog.text, 10,
+                   message="the oversized list counted and logged")
         assert h.kinds()[:1] == ["L"] and "W" not in h.kinds()
     finally:
         assert h.provider.stop_and_join(5)
