@@ -51,6 +51,7 @@ from extractedprism.health.opsmetrics import (
 from extractedprism.health.server import HealthServer
 from extractedprism.ops import handover
 from extractedprism.ops.admin import AdminServer
+from extractedprism.upstreams.actions import AdminActions
 from extractedprism.upstreams.effects import Change
 from extractedprism.upstreams.registry import Registry
 
@@ -114,7 +115,7 @@ class App:
         # The data path in use, "native" or "python" (--relay resolved; logged at start,
         # /upstreams and extractedprism_build_info{relay=...} read it here).
         self.relay = self.proxy.relay.name
-        self.merger = Merger(self.registry.set_endpoints, self.metrics,
+        self.merger = Merger(self.registry.set_endpoints, self._count_discovery_update,
                              static_mode=config.static_endpoints,
                              apply_roles=self.registry.set_roles)
         self.discovery: KubernetesProvider | None = None
@@ -250,7 +251,8 @@ class App:
         if cfg.admin_socket:
             # Before any thread runs, like the listeners: a bad path fails the start
             # (exit 1, naming the flag) and the caller's stop() closes what is open.
-            admin = AdminServer(cfg.admin_socket, self.registry, self.admin_listing)
+            admin = AdminServer(cfg.admin_socket, AdminActions(self.registry),
+                                self.admin_listing)
             admin.bind()
             self.admin = admin
         if cfg.health_check == "readyz":
@@ -289,8 +291,8 @@ class App:
         provider = "kubernetes"
         self.discovery = KubernetesProvider(
             self.config.replace(bind_port=self.proxy.address[1]),
-            self._on_discovered, self.metrics, self.stop_event, sa_dir=self._sa_dir,
-            status=self.discovery_status)
+            self._on_discovered, self._count_discovery_error, self.stop_event,
+            sa_dir=self._sa_dir, status=self.discovery_status)
         try:
             self.discovery.start()
         except Exception as exc:
@@ -298,8 +300,14 @@ class App:
             log.exception("discovery failed to start; static endpoints only")
             if self.discovery_status is not None:
                 self.discovery_status.error(f"failed to start: {exc}")
-            self.metrics.discovery_errors_total.labels(provider=provider).inc()
+            self._count_discovery_error(provider)
             self.discovery = None
+
+    def _count_discovery_update(self, provider: str) -> None:
+        self.metrics.discovery_updates_total.labels(provider=provider).inc()
+
+    def _count_discovery_error(self, provider: str) -> None:
+        self.metrics.discovery_errors_total.labels(provider=provider).inc()
 
     def _load_state_file(self) -> None:
         """``--state-file``: the endpoints discovery found last time, as provider

@@ -28,9 +28,10 @@ corrupt input never drains live connections; a slice labelled for another servic
 (which the label selector should have kept out) is dropped from the cache, as the API
 server's own DELETED event would do when a slice leaves the selector.
 
-``discovery_errors_total{provider="kubernetes"}`` counts failed lists/re-lists, failed
-Watch calls, watch ERROR events (other than 410) and provider failures (each death of
-the loop); never a stream end or a 410. Waits go through ``sleep`` (default
+``on_error`` is called, and so ``discovery_errors_total{provider="kubernetes"}``
+counted by the app, for failed lists/re-lists, failed Watch calls, watch ERROR events
+(other than 410) and provider failures (each death of the loop); never for a stream
+end or a 410. Waits go through ``sleep`` (default
 ``stop.wait``) so shutdown is prompt; :meth:`stop_and_join` also shuts the open watch's
 socket down to wake the blocked read.
 """
@@ -58,7 +59,6 @@ from extractedprism.discovery.slices import (
     union,
 )
 from extractedprism.discovery.status import DiscoveryStatus
-from extractedprism.health.metrics import Metrics
 from extractedprism.threads import join_until
 
 log = logging.getLogger(__name__)
@@ -75,13 +75,14 @@ class _Cached(NamedTuple):
 
 
 class KubernetesProvider:
-    """Lists then watches the ``kubernetes`` EndpointSlices; calls ``on_update`` on change."""
+    """Lists then watches the ``kubernetes`` EndpointSlices; calls ``on_update`` on change
+    and ``on_error`` with its name on every error counted."""
 
     def __init__(
         self,
         config: Config,
         on_update: Callable[[list[Endpoint]], None],
-        metrics: Metrics,
+        on_error: Callable[[str], None],
         stop: threading.Event,
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -93,7 +94,8 @@ class KubernetesProvider:
     ) -> None:
         self._config, self._sa_dir = config, sa_dir
         self._on_update = on_update
-        self._metrics = metrics
+        # Told the provider's name of every error counted (discovery_errors_total).
+        self._on_error = on_error
         self._stop = stop
         # Time and chance are injected, so tests decide every wait exactly.
         self._clock, self._sleep = clock, (sleep if sleep is not None else stop.wait)
@@ -185,7 +187,7 @@ class KubernetesProvider:
             log.info("watcher stopped")
 
     def _count_error(self) -> None:
-        self._metrics.discovery_errors_total.labels(provider=PROVIDER).inc()
+        self._on_error(PROVIDER)
 
     def _wait(self, delay: float, why: str) -> None:
         log.info("watch backoff delay=%.3fs reason=%r", delay, why)

@@ -17,8 +17,9 @@ background), 1 refused, 2 a bad request or an unknown address. Malformed input g
 code 2 and a message naming what is wrong; nothing a client sends can stop the thread.
 
 State set here is kept in memory only (a restart forgets it, like HAProxy's Runtime
-API). The registry does the work (:class:`AdminTarget`); this module only moves
-requests and answers, so it holds no upstream state of its own.
+API). The operator actions do the work (:class:`AdminTarget`, which the app fills with
+:class:`~extractedprism.upstreams.actions.AdminActions` over the registry); this module
+only moves requests and answers, so it holds no upstream state of its own.
 
 The client is ``extractedprism admin [--socket PATH] drain|undrain|close [--force]|list``,
 dispatched from :data:`extractedprism.cli.SUBCOMMANDS`.
@@ -56,13 +57,14 @@ _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class AdminTarget(Protocol):
-    """The registry side of every action: (code, message)."""
+    """The operator actions behind every command
+    (:class:`~extractedprism.upstreams.actions.AdminActions`): (code, message)."""
 
-    def admin_drain(self, address: str, uid: int) -> tuple[int, str]: ...
+    def drain(self, address: str, uid: int) -> tuple[int, str]: ...
 
-    def admin_undrain(self, address: str, uid: int) -> tuple[int, str]: ...
+    def undrain(self, address: str, uid: int) -> tuple[int, str]: ...
 
-    def admin_close(self, address: str, uid: int, *, force: bool) -> tuple[int, str]: ...
+    def close(self, address: str, uid: int, *, force: bool) -> tuple[int, str]: ...
 
     def known_addresses(self) -> list[str]: ...
 
@@ -249,11 +251,11 @@ class AdminServer:
             return {"code": BAD, "message": f"unknown upstream {address}; known upstreams: "
                                             f"{', '.join(sorted(known)) or 'none'}"}
         if command == "drain":
-            code, message = self._target.admin_drain(address, uid)
+            code, message = self._target.drain(address, uid)
         elif command == "undrain":
-            code, message = self._target.admin_undrain(address, uid)
+            code, message = self._target.undrain(address, uid)
         else:
-            code, message = self._target.admin_close(address, uid, force=force)
+            code, message = self._target.close(address, uid, force=force)
         result = {OK: "done", REFUSED: "refused"}.get(code, "failed")
         log.info("admin request action=%s upstream=%s uid=%d pid=%d force=%s result=%s "
                  "reason=%r",

@@ -112,9 +112,6 @@ class LatencyTiers:
     def tier(self, key: str) -> int | None:
         return self._tier.get(key)
 
-    def tiers(self) -> dict[str, int]:
-        return dict(self._tier)
-
     @property
     def tier_map(self) -> dict[str, int]:
         """The tiers, read-only: a new dict after every change that may move one (a

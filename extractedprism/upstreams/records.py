@@ -56,7 +56,7 @@ class Record:
     connection_errors: int = 0
     bytes_up: int = 0  # of finished connections
     bytes_down: int = 0
-    sources: tuple[str, ...] = ()  # the providers listing it (merge.Roles)
+    sources: tuple[str, ...] = ()  # the providers listing it (roles.Roles)
 
     def set_role(self, addr: str, demoted: bool, fx: Effects) -> None:
         """Demoted to a fallback (a static endpoint discovery does not list) or back."""
@@ -70,6 +70,19 @@ class Record:
             fx.log(logging.INFO, "upstream fallback over upstream=%s reason=%r", addr,
                    "listed by discovery")
 
+    def plan_close(self, now: float, over: float) -> None:
+        """An operator's close: each live connection's close, oldest first, spread over
+        ``over`` seconds (:func:`spread`)."""
+        self.close_plan = spread(list(self.conns), now, over)  # attach order: oldest first
+
+    def close_due(self, now: float, fx: Effects) -> None:
+        """Hand the connections whose planned close time has come to ``fx``."""
+        while self.close_plan and self.close_plan[0][0] <= now:
+            _, conn_id = self.close_plan.pop(0)
+            conn = self.conns.get(conn_id)
+            if conn is not None:  # it may have ended by itself meanwhile
+                fx.close.append(conn)
+
     def view(self, addr: str, *, readyz: bool, tier: int | None, rtt: float | None
              ) -> UpstreamView:
         live = self.conns.values()
@@ -82,6 +95,15 @@ class Record:
             last_check_at=self.last_check_at, draining_reason=_draining_reason(self),
             close_deadline=_close_deadline(self), admin=self.admin_mark,
             dials=self.dials.frozen())
+
+
+def spread(ids: list[int], now: float, over: float) -> list[tuple[float, int]]:
+    """When to close each connection: evenly over ``over`` seconds, the last one at the
+    end, oldest first; all at once when ``over`` is 0."""
+    if over <= 0:
+        return [(now, i) for i in ids]
+    step = over / max(1, len(ids))
+    return [(now + step * (n + 1), i) for n, i in enumerate(ids)]
 
 
 def started(conn: Tracked) -> float:

@@ -3,17 +3,18 @@
 Every thread reads and changes upstream state only through this object:
 
 * the ticker's probe threads call :meth:`record_probe`;
-* pipe threads call :meth:`pick`, :meth:`record_dial`, :meth:`attach`, :meth:`detach`;
+* pipe threads call :meth:`reserve`, :meth:`record_dial`, :meth:`attach`, :meth:`detach`;
 * discovery calls :meth:`set_endpoints`;
 * the ticker calls :meth:`tick` to expire drain and readiness deadlines;
-* the admin socket calls :meth:`admin_drain`, :meth:`admin_undrain`, :meth:`admin_close`;
+* the operator actions (:class:`~extractedprism.upstreams.actions.AdminActions`, for the
+  admin socket) call :meth:`set_admin` and :meth:`known_addresses`;
 * the health server and the metrics collector read :meth:`snapshot`.
 
-The rules of one upstream's state live in :mod:`extractedprism.upstream` (pure), the
-per-address record in :mod:`extractedprism.records`, the operator actions in the
-:mod:`extractedprism.adminops` mixin; this module owns what needs the lock: the
-address -> record dict, live connections, the counters, the drain and readiness
-deadlines and the panic flag. Fields guarded by
+The rules of one upstream's state live in :mod:`extractedprism.upstreams.state` (pure),
+the per-address record in :mod:`extractedprism.upstreams.records`, the wording and checks
+of the operator actions in :mod:`extractedprism.upstreams.actions`; this module owns what
+needs the lock: the address -> record dict, live connections, the counters, the drain
+and readiness deadlines and the panic flag. Fields guarded by
 ``self.lock``: ``_ups`` (and everything in each record), ``_panic``, ``_conn_count``,
 ``_connections_total``, ``_closing``. Methods never do I/O, logging or callbacks while
 holding it: sockets to close, log lines and change notices are collected in an
@@ -29,29 +30,23 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams import state as sm
-from extractedprism.upstreams.actions import AdminActions
 from extractedprism.upstreams.effects import Change, Effects
 from extractedprism.upstreams.latency import LatencyTiers
 from extractedprism.upstreams.records import Record, Tracked, last_success, readiness_moves, started
 from extractedprism.upstreams.reservation import Reservation
+from extractedprism.upstreams.roles import Roles
 from extractedprism.upstreams.selection import Candidate, choose, eligible, pick
-from extractedprism.upstreams.snapshot import ConnView, Snapshot
+from extractedprism.upstreams.snapshot import AdminMark, AdminOutcome, ConnView, Snapshot
 from extractedprism.upstreams.state import ProbeResult, Readiness
-
-if TYPE_CHECKING:
-    from extractedprism.discovery.merge import Roles
 
 log = logging.getLogger(__name__)
 _STATE = operator.attrgetter("state")
 
-__all__ = ["Change", "ProbeResult", "Readiness", "Registry", "Tracked"]
 
-
-class Registry(AdminActions):
+class Registry:
     """Upstream records, live connections, counters and deadlines behind one RLock."""
 
     def __init__(
@@ -165,12 +160,6 @@ class Registry(AdminActions):
 
     # -- selection ----------------------------------------------------------------
 
-    def pick(self, exclude: Iterable[str] = ()) -> Endpoint | None:
-        """The upstream a new connection would get now (no reservation; see reserve)."""
-        with self.lock:
-            addr = self._choose_locked(exclude)
-            return None if addr is None else self._ups[addr].endpoint
-
     def reserve(self, exclude: Iterable[str] = ()) -> Reservation | None:
         """Pick the upstream for a new connection and count its dial in flight, so
         concurrent picks see each other; None when nothing is pickable."""
@@ -235,11 +224,6 @@ class Registry(AdminActions):
         with self.lock:
             return any(r.state.pickable and a not in skip for a, r in self._ups.items())
 
-    @staticmethod
-    def abandon(reservation: Reservation) -> None:
-        """A reserved upstream was not used after all (its dial failed)."""
-        reservation.release()
-
     def panic_order(self, exclude: Iterable[str] = ()) -> list[Endpoint]:
         """Every non-draining upstream, most recently successful first (panic mode)."""
         skip = frozenset(exclude)
@@ -276,6 +260,67 @@ class Registry(AdminActions):
                        "every known upstream upstreams=%d", len(self._ups))
             else:
                 fx.log(logging.INFO, "panic over: an upstream is healthy again")
+
+    # -- operator marks (upstreams.actions.AdminActions) ------------------------------
+
+    @property
+    def readyz(self) -> bool:
+        """--health-check=readyz: readiness decides, not only TCP health."""
+        return self._readyz
+
+    @property
+    def drain_timeout(self) -> float:
+        return self._drain_timeout
+
+    def known_addresses(self) -> list[str]:
+        with self.lock:
+            return list(self._ups)
+
+    def set_admin(self, addr: str, action: str, uid: int, *, unless_closed: bool = False,
+                  unless_alone: bool = False) -> AdminOutcome | None:
+        """Set the operator's mark on ``addr`` ("drain" or "close"; "" clears it); None
+        when the address is unknown.
+
+        Checked in the same lock round trip as the change, which is skipped (``done``
+        False) when ``unless_closed`` and an operator has closed it, or when
+        ``unless_alone`` and no other pickable (and, with readyz, ready) upstream is
+        left. A close plans the closes of its connections spread over --drain-timeout."""
+        fx = Effects()
+        with self.lock:
+            rec = self._ups.get(addr)
+            if rec is None:
+                return None
+            before = rec.state.admin
+            others = any(a != addr and r.state.pickable and (r.state.ready or not self._readyz)
+                         for a, r in self._ups.items())
+            done = not (unless_closed and before == "close") and not (unless_alone
+                                                                        and not others)
+            if done:
+                self._set_admin_locked(addr, rec, action, uid, fx)
+            outcome = AdminOutcome(before=before, state=rec.state, connections=len(rec.conns),
+                                   others=others, done=done)
+        self._run(fx)
+        return outcome
+
+    def _set_admin_locked(self, addr: str, rec: Record, action: str, uid: int,
+                          fx: Effects) -> None:
+        now = self._clock()
+        rec.state = sm.admin_set(rec.state, action)
+        rec.admin_mark = AdminMark(action, uid, now) if action else None
+        rec.close_plan = []
+        if action == "close":
+            rec.plan_close(now, self._drain_timeout)
+            if rec.close_plan:
+                fx.log(logging.INFO, "closing connections upstream=%s connections=%d "
+                       "reason=%r over=%gs", addr, len(rec.close_plan), "admin close",
+                       max(0.0, self._drain_timeout))
+            rec.close_due(now, fx)
+        # The set of pickable (and ready) upstreams changed: readiness closes elsewhere
+        # may start or be called off, panic may begin or end.
+        self._update_readiness_deadlines_locked(now, fx)
+        self._update_panic_locked(fx)
+        self._update_words_locked(now)
+        fx.changes.append(Change("health", addr))  # wakes the ticker for new deadlines
 
     # -- health -------------------------------------------------------------------
 
@@ -362,9 +407,8 @@ class Registry(AdminActions):
                            "connections=%d", addr, len(rec.conns))
                     fx.close.extend(self._remove_locked(addr))
             self._update_readiness_deadlines_locked(now, fx)
-            for addr, rec in self._ups.items():
-                if rec.close_plan and rec.close_plan[0][0] <= now:
-                    self._run_close_plan_locked(addr, rec, now, fx)
+            for rec in self._ups.values():
+                rec.close_due(now, fx)
             self._update_panic_locked(fx)
             self._update_words_locked(now)
             deadlines = [d for r in self._ups.values()

@@ -25,6 +25,18 @@ class AdminMark:
 
 
 @dataclass(frozen=True)
+class AdminOutcome:
+    """What :meth:`Registry.set_admin` found and did, read under its lock in one go."""
+
+    before: str  # the operator's mark it had: "", "drain" or "close"
+    state: UpstreamState  # its state afterwards
+    connections: int  # its live connections afterwards
+    # Another upstream is pickable (and ready, with --health-check=readyz).
+    others: bool
+    done: bool  # False: a check the caller asked for said no; nothing changed
+
+
+@dataclass(frozen=True)
 class ConnView:
     client: str
     upstream: str

@@ -19,7 +19,7 @@ import pytest
 from extractedprism.app import App
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.ops import admin
-from extractedprism.upstreams.registry import ProbeResult
+from extractedprism.upstreams.state import ProbeResult
 from tests.conftest import fast_config
 from tests.net.test_drain import closed, open_to, still_open
 from tests.net.test_upstreams_doc import entry, when

@@ -43,13 +43,13 @@ class StubTarget:
             raise RuntimeError("boom")
         return self.answer
 
-    def admin_drain(self, address: str, uid: int) -> tuple[int, str]:
+    def drain(self, address: str, uid: int) -> tuple[int, str]:
         return self._call("drain", address, uid)
 
-    def admin_undrain(self, address: str, uid: int) -> tuple[int, str]:
+    def undrain(self, address: str, uid: int) -> tuple[int, str]:
         return self._call("undrain", address, uid)
 
-    def admin_close(self, address: str, uid: int, *, force: bool) -> tuple[int, str]:
+    def close(self, address: str, uid: int, *, force: bool) -> tuple[int, str]:
         return self._call("close", address, uid, force)
 
 

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extractedprism import __version__
 from extractedprism.config.endpoints import Endpoint
-from extractedprism.upstreams.registry import ProbeResult
+from extractedprism.upstreams.state import ProbeResult
 from tests.net.test_upstreams_doc import doc, when
 from tests.util import connect, first_checks_recorded, http, wait_until, whoami
 

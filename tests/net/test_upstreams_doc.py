@@ -17,7 +17,7 @@ from typing import Any
 
 from extractedprism import __version__
 from extractedprism.config.endpoints import Endpoint
-from extractedprism.upstreams.registry import ProbeResult
+from extractedprism.upstreams.state import ProbeResult
 from tests.net.test_drain import open_to
 from tests.util import connect, first_checks_recorded, http, read_line, wait_until, whoami
 

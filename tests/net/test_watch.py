@@ -21,13 +21,11 @@ from extractedprism.config.table import Config
 from extractedprism.discovery import kube
 from extractedprism.discovery.kube import ClientConfigError, proxy_url
 from extractedprism.discovery.watch import KubernetesProvider
-from extractedprism.health.metrics import Metrics
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
-from tests.util import FixedRandom, sample, wait_until
+from tests.util import FixedRandom, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
-ERRORS = "extractedprism_discovery_errors_total"
 J = 0.5  # FixedRandom value: every delay is base * 1.125
 
 
@@ -52,7 +50,7 @@ class Harness:
         self.api = api
         self.clock = FakeClock()
         self.stop = threading.Event()
-        self.metrics = Metrics()
+        self.errored: list[str] = []  # on_error's calls: discovery_errors_total in the app
         self.updates: list[list[Endpoint]] = []
         # (delay, slice requests seen so far) for every wait the watcher decided on
         self.sleeps: list[tuple[float, int]] = []
@@ -60,7 +58,7 @@ class Harness:
         cfg = Config(endpoints=(Endpoint("127.0.0.1", 1),), bind_address="127.0.0.1",
                      bind_port=api.port).replace(**config)
         self.provider = KubernetesProvider(
-            cfg, self.updates.append, self.metrics, self.stop, clock=self.clock,
+            cfg, self.updates.append, self.errored.append, self.stop, clock=self.clock,
             rng=FixedRandom(J), sa_dir=str(sa_dir), sleep=self.sleep,
             watch_timeout_seconds=300)
 
@@ -76,7 +74,7 @@ class Harness:
         return [round(d, 6) for d, _ in self.sleeps]
 
     def errors(self) -> float:
-        return sample(self.metrics, ERRORS, {"provider": "kubernetes"}) or 0.0
+        return float(self.errored.count("kubernetes"))
 
     def wait_watches(self, n: int, open_: bool = True) -> None:
         wait_until(lambda: len(self.api.watch_requests()) >= n
@@ -656,7 +654,8 @@ def test_first_backoff_is_one_second_plus_at_most_25_percent_real_time(
     stop = threading.Event()
     provider = KubernetesProvider(
         Config(endpoints=(Endpoint("127.0.0.1", 1),), bind_port=api.port),
-        lambda eps: None, Metrics(), stop, sa_dir=str(sa_dir), watch_timeout_seconds=300)
+        lambda eps: None, lambda provider: None, stop, sa_dir=str(sa_dir),
+        watch_timeout_seconds=300)
     provider.start()
     try:
         wait_until(lambda: len(api.list_requests()) >= 2, 10)
@@ -745,7 +744,7 @@ def test_stop_wakes_a_blocked_watch_promptly(api: FakeApiServer, sa_dir: Path) -
     stop = threading.Event()
     provider = KubernetesProvider(
         Config(endpoints=(Endpoint("127.0.0.1", 1),), bind_port=api.port),
-        lambda eps: None, Metrics(), stop, sa_dir=str(sa_dir))
+        lambda eps: None, lambda provider: None, stop, sa_dir=str(sa_dir))
     provider.start()
     wait_until(lambda: api.open_streams() == 1, 10)
     t0 = time.monotonic()
@@ -759,7 +758,7 @@ def test_stop_during_backoff_is_prompt(api: FakeApiServer, sa_dir: Path) -> None
     stop = threading.Event()
     provider = KubernetesProvider(
         Config(endpoints=(Endpoint("127.0.0.1", 1),), bind_port=api.port),
-        lambda eps: None, Metrics(), stop, sa_dir=str(sa_dir))
+        lambda eps: None, lambda provider: None, stop, sa_dir=str(sa_dir))
     provider.start()
     wait_until(lambda: len(api.list_requests()) >= 1, 10)
     t0 = time.monotonic()
@@ -854,8 +853,10 @@ def test_a_list_over_the_size_cap_is_a_counted_failed_list(
     h = Harness(api, sa_dir)
     h.provider.start()
     try:
-        wait_until(lambda: h.errors() >= 1, 10, message="the oversized list counted")
-        assert "EndpointSlice list larger than 50 bytes" in caplog.text
+        # The watcher counts the failure just before it logs it: wait for both.
+        wait_until(lambda: h.errors() >= 1
+                   and "EndpointSlice list larger than 50 bytes" in caplog.text, 10,
+                   message="the oversized list counted and logged")
         assert h.kinds()[:1] == ["L"] and "W" not in h.kinds()
     finally:
         assert h.provider.stop_and_join(5)

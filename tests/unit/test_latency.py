@@ -24,7 +24,7 @@ def tiers_from(samples: dict[str, float]) -> LatencyTiers:
 def groups(t: LatencyTiers) -> list[set[str]]:
     """The tiers as sets, tier 0 first."""
     out: list[set[str]] = []
-    for key, n in sorted(t.tiers().items(), key=lambda kv: kv[1]):
+    for key, n in sorted(t.tier_map.items(), key=lambda kv: kv[1]):
         while len(out) <= n:
             out.append(set())
         out[n].add(key)
@@ -109,30 +109,30 @@ def test_tier_limit(base: float, limit: float) -> None:
 
 def test_within_two_ms_of_best_is_tier_zero() -> None:
     t = tiers_from({"a": 0.3 * MS, "b": 0.9 * MS, "c": 2.2 * MS})
-    assert t.tiers() == {"a": 0, "b": 0, "c": 0}
+    assert t.tier_map == {"a": 0, "b": 0, "c": 0}
 
 
 def test_tiers_by_double_the_best() -> None:
     t = tiers_from({"a": 10 * MS, "b": 19 * MS, "c": 25 * MS, "d": 45 * MS, "e": 200 * MS})
     # tier 0: <= 20 ms; tier 1: best 25 -> <= 50 ms; tier 2: 200 ms.
-    assert t.tiers() == {"a": 0, "b": 0, "c": 1, "d": 1, "e": 2}
+    assert t.tier_map == {"a": 0, "b": 0, "c": 1, "d": 1, "e": 2}
 
 
 def test_entry_uses_strict_limit() -> None:
     t = tiers_from({"a": 1 * MS, "b": 3.5 * MS})  # limit 3 ms, band 3.75 ms
-    assert t.tiers() == {"a": 0, "b": 1}
+    assert t.tier_map == {"a": 0, "b": 1}
 
 
 def test_hysteresis_keeps_member_up_to_plus_25_percent() -> None:
     t = tiers_from({"a": 1 * MS, "b": 2.9 * MS})
-    assert t.tiers() == {"a": 0, "b": 0}
+    assert t.tier_map == {"a": 0, "b": 0}
     t.observe("b", 3.7 * MS)  # smoothed: 2.9 + 0.3 * 0.8 = 3.14 ms > limit, < band
     assert 3 * MS < t.average("b") <= 3.75 * MS
     assert t.tier("b") == 0
     while t.average("b") <= HYSTERESIS * tier_limit(1 * MS):
         assert t.tier("b") == 0
         t.observe("b", 3.9 * MS)
-    assert t.tiers() == {"a": 0, "b": 1}
+    assert t.tier_map == {"a": 0, "b": 1}
 
 
 def test_member_at_exactly_band_stays_and_just_above_leaves() -> None:
@@ -150,7 +150,7 @@ def test_upstream_rejoins_better_tier_when_inside_its_limit() -> None:
     t = tiers_from({"a": 1 * MS, "b": 5 * MS})
     assert t.tier("b") == 1
     t.observe("b", 1.2 * MS)  # below a quarter: replaces -> 1.2 ms
-    assert t.tiers() == {"a": 0, "b": 0}
+    assert t.tier_map == {"a": 0, "b": 0}
 
 
 def test_group_limit_follows_its_lowest_member() -> None:
@@ -170,7 +170,7 @@ def test_slowing_best_member_raises_limit_not_splits() -> None:
 
 def test_tier_appearing_above_does_not_split_a_group() -> None:
     t = tiers_from({"b": 10 * MS, "c": 22 * MS})  # c enters? 22 > 20: no
-    assert t.tiers() == {"b": 0, "c": 1}
+    assert t.tier_map == {"b": 0, "c": 1}
     t = tiers_from({"b": 10 * MS, "c": 19 * MS})
     t.observe("c", 22 * MS)  # c -> 19.9 ms... keep pushing inside the band
     for _ in range(5):
@@ -180,7 +180,7 @@ def test_tier_appearing_above_does_not_split_a_group() -> None:
     t.observe("a", 1 * MS)  # a new, much closer upstream
     # From scratch the rule would give {a}, {b}, {c}; the group stays whole instead.
     assert groups(t) == [{"a"}, {"b", "c"}]
-    assert t.tiers() == {"a": 0, "b": 1, "c": 1}
+    assert t.tier_map == {"a": 0, "b": 1, "c": 1}
 
 
 def test_tier_disappearing_above_keeps_group_whole() -> None:
@@ -188,9 +188,9 @@ def test_tier_disappearing_above_keeps_group_whole() -> None:
     for _ in range(5):
         t.observe("c", 24 * MS)
     t.observe("a", 1 * MS)
-    assert t.tiers() == {"a": 0, "b": 1, "c": 1}
+    assert t.tier_map == {"a": 0, "b": 1, "c": 1}
     t.remove("a")
-    assert t.tiers() == {"b": 0, "c": 0}
+    assert t.tier_map == {"b": 0, "c": 0}
     assert t.average("a") is None and t.tier("a") is None
 
 
@@ -221,16 +221,16 @@ def test_issue_12_example_a_b_then_c() -> None:
     assert groups(t) == [{"A", "B"}]
     t.observe("C", 0.4 * MS)
     assert groups(t) == [{"C", "A"}, {"B"}]
-    assert t.tiers() == {"C": 0, "A": 0, "B": 1}
+    assert t.tier_map == {"C": 0, "A": 0, "B": 1}
 
 
 def test_a_pair_apart_at_first_rejoins_as_soon_as_averages_are_within_the_limit() -> None:
     # Two loopback upstreams; b's first check was slow (3 ms against 0.3 ms): separate
     # tiers. Every later sample of b is normal.
     t = tiers_from({"a": 0.3 * MS, "b": 3 * MS})
-    assert t.tiers() == {"a": 0, "b": 1}
+    assert t.tier_map == {"a": 0, "b": 1}
     t.observe("b", 0.5 * MS)  # below a quarter of 3 ms: replaces the average
-    assert t.tiers() == {"a": 0, "b": 0}
+    assert t.tier_map == {"a": 0, "b": 0}
     # Without the replacement (a sample just above a quarter), b rejoins on the very
     # sample that brings its average within a's limit of 2.3 ms, not later.
     t = tiers_from({"a": 0.3 * MS, "b": 3 * MS})
@@ -238,7 +238,7 @@ def test_a_pair_apart_at_first_rejoins_as_soon_as_averages_are_within_the_limit(
         assert t.tier("b") == 1
         t.observe("a", 0.3 * MS)
         t.observe("b", 0.8 * MS)
-    assert t.tiers() == {"a": 0, "b": 0}
+    assert t.tier_map == {"a": 0, "b": 0}
 
 
 def test_hysteresis_holds_a_member_near_the_boundary_and_keeps_a_leaver_out() -> None:
@@ -274,10 +274,10 @@ def test_a_new_best_in_the_same_group_keeps_its_hysteresis_member() -> None:
 
 def test_merging_groups_do_not_pull_in_each_others_members() -> None:
     t = tiers_from({"anchor": 10 * MS, "joiner": 21 * MS, "outsider": 24 * MS})
-    assert t.tiers() == {"anchor": 0, "joiner": 1, "outsider": 1}
+    assert t.tier_map == {"anchor": 0, "joiner": 1, "outsider": 1}
     for _ in range(50):
         t.observe("joiner", 19 * MS)
-    assert t.tiers() == {"anchor": 0, "joiner": 0, "outsider": 1}
+    assert t.tier_map == {"anchor": 0, "joiner": 0, "outsider": 1}
 
 
 def test_an_upstream_hovering_at_a_boundary_does_not_flap_the_others() -> None:
@@ -291,26 +291,32 @@ def test_an_upstream_hovering_at_a_boundary_does_not_flap_the_others() -> None:
 
 def test_removed_upstream_rebuilds_tiers() -> None:
     t = tiers_from({"a": 1 * MS, "b": 10 * MS, "c": 15 * MS, "d": 50 * MS})
-    assert t.tiers() == {"a": 0, "b": 1, "c": 1, "d": 2}
+    assert t.tier_map == {"a": 0, "b": 1, "c": 1, "d": 2}
     t.remove("a")
-    assert t.tiers() == {"b": 0, "c": 0, "d": 1}
+    assert t.tier_map == {"b": 0, "c": 0, "d": 1}
     t.remove("zzz")  # unknown: no-op
-    assert set(t.tiers()) == {"b", "c", "d"} and t.average("a") is None
+    assert set(t.tier_map) == {"b", "c", "d"} and t.average("a") is None
 
 
 def test_removing_group_base_rechecks_remaining_members() -> None:
     t = tiers_from({"a": 1 * MS, "b": 2.9 * MS, "c": 10 * MS})
-    assert t.tiers() == {"a": 0, "b": 0, "c": 1}
+    assert t.tier_map == {"a": 0, "b": 0, "c": 1}
     t.remove("a")
     # b is now the base (limit 5.8 ms); c (10 ms) still a tier of its own.
-    assert t.tiers() == {"b": 0, "c": 1}
+    assert t.tier_map == {"b": 0, "c": 1}
 
 
-def test_tier_of_everything_and_copies() -> None:
+def test_tier_map_is_replaced_never_changed() -> None:
+    # The registry's pick cache keeps the map it computed its list from and compares it
+    # with the current one: a change must come as a new dict, the old one left as it was.
     t = tiers_from({"a": 1 * MS})
-    d = t.tiers()
-    d["a"] = 7
-    assert t.tier("a") == 0
+    before = t.tier_map
+    t.observe("b", 50 * MS)
+    assert t.tier_map is not before and before == {"a": 0}
+    assert t.tier_map == {"a": 0, "b": 1}
+    before = t.tier_map
+    t.remove("b")
+    assert t.tier_map is not before and before == {"a": 0, "b": 1}
 
 
 def test_alpha_validated() -> None:
@@ -340,7 +346,7 @@ def test_tier_invariants(evs: list[tuple[str, str, float]]) -> None:
             t.observe(key, rtt)
         else:
             t.remove(key)
-        tiers = t.tiers()
+        tiers = t.tier_map
         # every upstream with a sample has exactly one tier; removed ones have none
         assert set(tiers) == {k for k in "abcdef" if t.average(k) is not None}
         gs = groups(t)
@@ -383,4 +389,4 @@ def test_tiers_without_history_match_the_spec_rule(samples: dict[str, float]) ->
             expected[k] = tier
             del rest[k]
         tier += 1
-    assert t.tiers() == expected
+    assert t.tier_map == expected

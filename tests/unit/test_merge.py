@@ -1,4 +1,5 @@
-"""Merged provider: dedupe across providers, static first, never empty, apply on change."""
+"""Merging providers: the pure merge from tables; the Merger dedupes across providers,
+static first, never empty, applies on change."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ from collections.abc import Callable
 import pytest
 
 from extractedprism.config.endpoints import Endpoint, parse_endpoint
-from extractedprism.discovery.merge import Merger, Roles
-from extractedprism.health.metrics import Metrics
-from tests.util import sample
+from extractedprism.discovery.merge import Merger, merge
+from extractedprism.upstreams.roles import Roles
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,7 +20,42 @@ def eps(*texts: str) -> list[Endpoint]:
     return [parse_endpoint(t) for t in texts]
 
 
-Setup = tuple[Merger, list[list[Endpoint]], Metrics]
+A, B, C = "10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"
+
+
+@pytest.mark.parametrize(("lists", "mode", "merged", "sources", "fallback"), [
+    ({}, "always", [], {}, set()),
+    ({"static": [A, B]}, "fallback", [A, B],
+     {A: ("static",), B: ("static",)}, set()),
+    # Static first whatever the order the providers reported in; first place kept.
+    ({"kubernetes": [C, A], "static": [B, A]}, "always", [B, A, C],
+     {B: ("static",), A: ("static", "kubernetes"), C: ("kubernetes",)}, set()),
+    ({"cache": [C], "kubernetes": [A]}, "always", [C, A],
+     {C: ("cache",), A: ("kubernetes",)}, set()),
+    # Sources in provider order (static, kubernetes, cache), whatever the list order.
+    ({"static": [A], "cache": [C, A], "kubernetes": [C]}, "always", [A, C],
+     {A: ("static", "cache"), C: ("kubernetes", "cache")}, set()),
+    # Fallback: static endpoints discovery does not list, once it lists any.
+    ({"static": [A, B], "kubernetes": [A, C]}, "fallback", [A, B, C],
+     {A: ("static", "kubernetes"), B: ("static",), C: ("kubernetes",)}, {B}),
+    ({"static": [A, B], "kubernetes": []}, "fallback", [A, B],
+     {A: ("static",), B: ("static",)}, set()),
+    ({"static": [A, B], "kubernetes": [A, C]}, "always", [A, B, C],
+     {A: ("static", "kubernetes"), B: ("static",), C: ("kubernetes",)}, set()),
+    # The cache does not demote: only a list from discovery itself does.
+    ({"static": [A, B], "cache": [C]}, "fallback", [A, B, C],
+     {A: ("static",), B: ("static",), C: ("cache",)}, set()),
+])
+def test_merge_table(lists: dict[str, list[str]], mode: str, merged: list[str],
+                     sources: dict[str, tuple[str, ...]], fallback: set[str]) -> None:
+    got, roles = merge({p: eps(*texts) for p, texts in lists.items()}, static_mode=mode)
+    assert [str(e) for e in got] == merged
+    assert dict(roles.sources) == sources
+    assert roles.fallback == frozenset(fallback)
+
+
+# The merger, the lists it applied, and the provider of every update it was told of.
+Setup = tuple[Merger, list[list[Endpoint]], list[str]]
 
 
 def _appender(applied: list[list[Endpoint]]) -> Callable[[list[Endpoint], Roles], None]:
@@ -32,8 +67,8 @@ def _appender(applied: list[list[Endpoint]]) -> Callable[[list[Endpoint], Roles]
 @pytest.fixture
 def setup() -> Setup:
     applied: list[list[Endpoint]] = []
-    metrics = Metrics()
-    return Merger(_appender(applied), metrics), applied, metrics
+    updates: list[str] = []
+    return Merger(_appender(applied), updates.append), applied, updates
 
 
 def test_static_then_kubernetes_deduped(setup: Setup) -> None:
@@ -52,14 +87,12 @@ def test_static_first_even_if_kubernetes_arrives_first(setup: Setup) -> None:
 
 
 def test_unchanged_merge_not_applied_but_counted(setup: Setup) -> None:
-    m, applied, metrics = setup
+    m, applied, updates = setup
     m.update("static", eps("10.0.0.1:6443"))
     m.update("kubernetes", eps("10.0.0.1:6443"))
     m.update("kubernetes", eps("10.0.0.1:6443"))
     assert applied == [eps("10.0.0.1:6443")]
-    name = "extractedprism_discovery_updates_total"
-    assert sample(metrics, name, {"provider": "kubernetes"}) == 2
-    assert sample(metrics, name, {"provider": "static"}) == 1
+    assert updates == ["static", "kubernetes", "kubernetes"]
 
 
 def test_empty_merge_is_skipped(setup: Setup) -> None:
@@ -81,7 +114,7 @@ def test_removing_every_discovered_endpoint_leaves_static(setup: Setup) -> None:
 
 
 def test_thread_safe_updates_end_consistent(setup: Setup) -> None:
-    m, applied, metrics = setup
+    m, applied, updates = setup
     m.update("static", eps("10.0.0.1:6443"))
 
     def worker() -> None:
@@ -95,8 +128,7 @@ def test_thread_safe_updates_end_consistent(setup: Setup) -> None:
         t.join(10)
     m.update("kubernetes", eps("10.0.2.1:6443"))
     assert applied[-1] == eps("10.0.0.1:6443", "10.0.2.1:6443")
-    assert sample(metrics, "extractedprism_discovery_updates_total",
-                          {"provider": "kubernetes"}) == 801
+    assert updates.count("kubernetes") == 801
     for a, b in itertools.pairwise(applied):
         assert a != b
 

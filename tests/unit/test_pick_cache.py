@@ -9,10 +9,11 @@ import random
 import pytest
 
 from extractedprism.config.endpoints import Endpoint
+from extractedprism.upstreams.actions import AdminActions
 from extractedprism.upstreams.registry import Registry
 from extractedprism.upstreams.selection import Candidate, eligible
 from extractedprism.upstreams.state import ProbeResult
-from tests.unit.test_registry import Clock, Conn
+from tests.unit.test_registry import Clock, Conn, picked
 
 EPS = [Endpoint(f"10.0.0.{i}", 6443) for i in range(1, 5)]
 
@@ -51,9 +52,9 @@ def test_picks_follow_every_state_change(mode: str, readyz: bool) -> None:
         elif op == 2:
             reg.record_dial(addr, rnd.random() < 0.5, "refused")
         elif op == 3:
-            reg.admin_drain(addr, 0)
+            AdminActions(reg).drain(addr, 0)
         elif op == 4:
-            reg.admin_undrain(addr, 0)
+            AdminActions(reg).undrain(addr, 0)
         elif op == 5:
             reg.set_endpoints(rnd.sample(EPS, rnd.randint(1, len(EPS))))
         elif op == 6:  # a connection: least-conn's counts move without a state change
@@ -67,7 +68,7 @@ def test_picks_follow_every_state_change(mode: str, readyz: bool) -> None:
         else:
             reg.tick()
         want = allowed(reg, mode, readyz)
-        got = {reg.pick() for _ in range(60)}
+        got = {picked(reg) for _ in range(60)}
         if not want:
             assert got == {None}, f"step {step}: picked {got} with nothing pickable"
             continue

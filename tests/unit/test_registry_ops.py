@@ -10,8 +10,9 @@ import pytest
 
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams import state as sm
+from extractedprism.upstreams.actions import AdminActions
 from extractedprism.upstreams.registry import Registry
-from tests.unit.test_registry import DOWN, EPS, OK, Clock, Conn, ready
+from tests.unit.test_registry import DOWN, EPS, OK, Clock, Conn, picked, ready
 
 A, B, C = (str(e) for e in EPS)
 
@@ -145,12 +146,12 @@ def test_removed_and_unready_closes_show_reason_and_deadline() -> None:
 def test_drain_stops_picks_keeps_connections_and_probes() -> None:
     reg, clock = make()
     (conn,) = attach(reg, A, 1)
-    assert reg.admin_drain(A, 1000)[0] == 0
+    assert AdminActions(reg).drain(A, 1000)[0] == 0
     v = view(reg, A)
     assert (v.state, v.draining, v.draining_reason, v.pickable) == (
         "admin-drain", False, "admin", False)
     assert v.admin is not None and (v.admin.action, v.admin.uid) == ("drain", 1000)
-    assert all(str(reg.pick()) != A for _ in range(50))
+    assert all(str(picked(reg)) != A for _ in range(50))
     assert not reg.attach(A, Conn("late"))  # a dial in flight when the drain came
     assert A in {str(e) for e in reg.probe_targets()}
     clock.now = 2000.0
@@ -158,10 +159,10 @@ def test_drain_stops_picks_keeps_connections_and_probes() -> None:
     # Probed while drained: it turns unhealthy, and undrain does not make it pickable.
     reg.record_probe(A, DOWN)
     reg.record_probe(A, DOWN)
-    code, message = reg.admin_undrain(A, 1000)
+    code, message = AdminActions(reg).undrain(A, 1000)
     assert code == 0 and "unhealthy" in message
     assert view(reg, A).state == "unhealthy" and view(reg, A).admin is None
-    assert all(str(reg.pick()) != A for _ in range(50))
+    assert all(str(picked(reg)) != A for _ in range(50))
     reg.record_probe(A, OK)
     assert view(reg, A).pickable
 
@@ -169,7 +170,7 @@ def test_drain_stops_picks_keeps_connections_and_probes() -> None:
 def test_close_spreads_over_the_drain_timeout() -> None:
     reg, clock = make(drain=30.0)
     conns = attach(reg, A, 3)
-    code, message = reg.admin_close(A, 0)
+    code, message = AdminActions(reg).close(A, 0)
     assert code == 0 and "3 connection(s)" in message
     v = view(reg, A)
     assert (v.state, v.draining_reason, v.close_deadline) == ("admin-drain", "admin", 1030.0)
@@ -192,7 +193,7 @@ def test_close_spreads_over_the_drain_timeout() -> None:
 def test_close_with_zero_drain_timeout_closes_at_once() -> None:
     reg, _ = make(drain=0.0)
     conns = attach(reg, A, 2)
-    assert reg.admin_close(A, 0)[0] == 0
+    assert AdminActions(reg).close(A, 0)[0] == 0
     assert all(c.closed for c in conns)
 
 
@@ -202,30 +203,30 @@ def test_close_refused_without_another_healthy_upstream_unless_forced() -> None:
         reg.record_probe(addr, DOWN)
         reg.record_probe(addr, DOWN)
     (conn,) = attach(reg, A, 1)
-    code, message = reg.admin_close(A, 0)
+    code, message = AdminActions(reg).close(A, 0)
     assert code == 1 and "no other healthy upstream" in message and "--force" in message
     assert view(reg, A).admin is None and not conn.closed
-    assert reg.admin_close(A, 0, force=True)[0] == 0
+    assert AdminActions(reg).close(A, 0, force=True)[0] == 0
 
 
 def test_close_in_readyz_mode_needs_another_ready_one() -> None:
     reg, _ = make(readyz=True)
     reg.record_probe(A, ready(True))
     reg.record_probe(B, ready(False))  # healthy, not ready
-    code, message = reg.admin_close(A, 0)
+    code, message = AdminActions(reg).close(A, 0)
     assert code == 1 and "no other ready upstream" in message
     reg.record_probe(C, ready(True))
-    assert reg.admin_close(A, 0)[0] == 0
+    assert AdminActions(reg).close(A, 0)[0] == 0
     # A drained (or closed) upstream does not count as the "other" one either.
-    assert reg.admin_close(C, 0)[0] == 1
+    assert AdminActions(reg).close(C, 0)[0] == 1
 
 
 def test_a_drained_ready_upstream_does_not_trigger_readiness_closes_elsewhere() -> None:
     reg, _ = make(readyz=True)
     for addr in (A, B, C):
         reg.record_probe(addr, ready(True))
-    reg.admin_drain(B, 0)
-    reg.admin_drain(C, 0)
+    AdminActions(reg).drain(B, 0)
+    AdminActions(reg).drain(C, 0)
     attach(reg, A, 1)
     reg.record_probe(A, ready(False))
     reg.record_probe(A, ready(False))
@@ -235,34 +236,59 @@ def test_a_drained_ready_upstream_does_not_trigger_readiness_closes_elsewhere() 
 
 def test_unknown_addresses() -> None:
     reg, _ = make()
-    assert reg.admin_drain("10.9.9.9:6443", 0)[0] == 2
-    assert reg.admin_undrain("10.9.9.9:6443", 0)[0] == 2
-    assert reg.admin_close("10.9.9.9:6443", 0)[0] == 2
-    assert sorted(reg.known_addresses()) == sorted([A, B, C])
+    assert AdminActions(reg).drain("10.9.9.9:6443", 0)[0] == 2
+    assert AdminActions(reg).undrain("10.9.9.9:6443", 0)[0] == 2
+    assert AdminActions(reg).close("10.9.9.9:6443", 0)[0] == 2
+    assert sorted(AdminActions(reg).known_addresses()) == sorted([A, B, C])
 
 
 def test_every_upstream_drained_means_panic_and_not_ready() -> None:
     reg, _ = make()
     for addr in (A, B, C):
-        reg.admin_drain(addr, 0)
+        AdminActions(reg).drain(addr, 0)
     assert not reg.healthy()
-    assert reg.pick() is None and reg.panic_order() == []
+    assert picked(reg) is None and reg.panic_order() == []
     assert reg.snapshot().panic
-    reg.admin_undrain(B, 0)
-    assert reg.healthy() and str(reg.pick()) == B
+    AdminActions(reg).undrain(B, 0)
+    assert reg.healthy() and str(picked(reg)) == B
 
 
 def test_drain_survives_a_readd_but_not_a_completed_removal() -> None:
     reg, _ = make(drain=30.0)
     attach(reg, A, 1)
-    reg.admin_drain(A, 0)
+    AdminActions(reg).drain(A, 0)
     reg.set_endpoints(EPS[1:])
     assert view(reg, A).state == "draining"
     reg.set_endpoints(EPS)  # re-added before the drain completed
     assert view(reg, A).state == "admin-drain"
     reg2, _ = make(drain=0.0)
-    reg2.admin_drain(A, 0)
+    AdminActions(reg2).drain(A, 0)
     reg2.set_endpoints(EPS[1:])
     reg2.set_endpoints(EPS)
     assert view(reg2, A).state == "healthy" and view(reg2, A).admin is None
     assert isinstance(EPS[0], Endpoint)
+
+
+def test_the_messages_of_drain_and_undrain() -> None:
+    reg, _ = make(drain=30.0)
+    ops = AdminActions(reg)
+    attach(reg, A, 2)
+    assert ops.drain(A, 0) == (0, f"drained {A}: no new connections; its 2 existing "
+                                  "connection(s) stay")
+    assert ops.drain(A, 0) == (0, f"{A} was already drained")
+    assert ops.undrain(A, 0) == (0, f"undrained {A}: back in service")
+    assert ops.undrain(A, 0) == (0, f"{A} was not drained")
+    assert ops.close(B, 0)[0] == 0
+    # A close is not weakened to a drain: the mark stays "close".
+    assert ops.drain(B, 0) == (0, f"{B} is already closed by an operator (undrain it first)")
+    assert view(reg, B).admin is not None and view(reg, B).admin.action == "close"
+    ops.drain(A, 0)
+    reg.set_endpoints(EPS[1:])  # A is removed and drains its two connections
+    assert ops.undrain(A, 0) == (0, f"undrained {A}; it stays draining: it was removed "
+                                    "from the endpoints")
+    reg, _ = make(readyz=True)
+    ops = AdminActions(reg)
+    reg.record_probe(A, ready(False))
+    ops.drain(A, 0)
+    assert ops.undrain(A, 0) == (0, f"undrained {A}; readyz says not ready: new "
+                                    "connections prefer others")

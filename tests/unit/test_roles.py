@@ -4,9 +4,9 @@ the FALLBACK lifecycle of the upstream state machine (pure)."""
 from __future__ import annotations
 
 from extractedprism.config.endpoints import Endpoint, parse_endpoint
-from extractedprism.discovery.merge import Merger, Roles
-from extractedprism.health.metrics import Metrics
+from extractedprism.discovery.merge import Merger
 from extractedprism.upstreams import state as sm
+from extractedprism.upstreams.roles import Roles
 from extractedprism.upstreams.selection import Candidate, choose
 from tests.util import FixedRandom
 
@@ -30,7 +30,8 @@ class Recorder:
 
 def merger(mode: str) -> tuple[Merger, Recorder]:
     r = Recorder()
-    return Merger(r.apply, Metrics(), static_mode=mode, apply_roles=r.apply_roles), r
+    return Merger(r.apply, lambda provider: None, static_mode=mode,
+                  apply_roles=r.apply_roles), r
 
 
 def test_sources_in_provider_order():
