@@ -9,6 +9,12 @@ Python code expects (a bad value, an OS failure) keeps that base as well:
 
 from __future__ import annotations
 
+import errno
+
+# errno values that mean "out of descriptors or buffers" on accept/socket: a listener
+# backs off and retries instead of spinning or failing (the data path and the health port).
+FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
 
 class Error(Exception):
     """An error extractedprism raises on purpose; ``str()`` is the sentence to show."""

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from extractedprism.config.endpoints import Endpoint, is_ip
+from extractedprism.errors import Error
 from extractedprism.upstreams.state import ProbeResult
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class ReadyzSettings:
 Prober = Callable[[Endpoint, float, ReadyzSettings | None], ProbeResult]
 
 
-class _ProbeFailed(Exception):
+class _ProbeFailed(Error):
     """Internal: carries the short reason of a failed step."""
 
 
@@ -175,7 +176,7 @@ _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _MAX_DIAGNOSE_BYTES = 1024 * 1024
 
 
-class _EncryptedKey(Exception):
+class _EncryptedKey(Error):
     """Raised by the password callback: OpenSSL asks only for an encrypted key."""
 
 

@@ -40,13 +40,13 @@ from extractedprism.datapath.sockopts import (
     native_target,
     wait_connected,
 )
+from extractedprism.errors import FD_ERRNOS
 from extractedprism.logs import connlog
 from extractedprism.upstreams.registry import Registry
 from extractedprism.upstreams.reservation import Reservation
 
 log = logging.getLogger(__name__)
 
-FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # Failures that repeat once per client during an outage: first line, then summaries.
 _dial_failed = connlog.RateLimited(log, logging.INFO, "dial failed")
 _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP

@@ -38,13 +38,14 @@ import time
 from collections.abc import Callable
 
 from extractedprism.datapath import sched
-from extractedprism.datapath.dialer import FD_ERRNOS, Dialer
+from extractedprism.datapath.dialer import Dialer
 from extractedprism.datapath.firstbytes import first_answer
 from extractedprism.datapath.listener import format_addr, has_opts, open_listener, set_accept_wake
 from extractedprism.datapath.pipe import Pipe
 from extractedprism.datapath.pool import PipePool
 from extractedprism.datapath.relay import Relay
 from extractedprism.datapath.sockopts import apply_sockopts
+from extractedprism.errors import FD_ERRNOS
 from extractedprism.logs import connlog
 from extractedprism.upstreams.registry import Registry
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 from extractedprism.datapath import native as native_ext
 from extractedprism.datapath.firstbytes import NativeFirstAnswer
+from extractedprism.errors import Error
 
 TakeFirst = Callable[[int, int], tuple[bytes | None, int]]
 
 
-class RelayUnavailable(RuntimeError):
+class RelayUnavailable(Error, RuntimeError):
     """--relay=native, but the extension cannot be loaded (the message says why)."""
 
 

@@ -47,6 +47,7 @@ from kubernetes.client.exceptions import ApiException
 
 from extractedprism import __version__
 from extractedprism.config.table import Config
+from extractedprism.errors import Error
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +80,15 @@ MAX_LINE_BYTES = 16 * 1024 * 1024
 READ_BYTES = 64 * 1024
 
 
-class Gone(Exception):
+class Gone(Error):
     """410 Gone: the resourceVersion was compacted away; the caller must re-list."""
 
 
-class LineTooLong(ValueError):
+class LineTooLong(Error, ValueError):
     """A watch line grew past :data:`MAX_LINE_BYTES` without a newline."""
 
 
-class WatchErrorEvent(Exception):
+class WatchErrorEvent(Error):
     """A watch ERROR event other than 410 (the server ends the watch after it)."""
 
     def __init__(self, code: Any, reason: Any, message: Any) -> None:
@@ -96,7 +97,7 @@ class WatchErrorEvent(Exception):
         self.reason = reason
 
 
-class ClientConfigError(Exception):
+class ClientConfigError(Error):
     """Discovery was configured (kubeconfig or service account) but cannot be used."""
 
 

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from extractedprism.config.endpoints import Endpoint, parse_endpoint
+from extractedprism.errors import Error
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ VERSION = 1
 MAX_BYTES = 1 << 20  # a list of API servers is a few hundred bytes
 
 
-class StateFileError(ValueError):
+class StateFileError(Error, ValueError):
     """The file is not a state file of this version; the message says why."""
 
 

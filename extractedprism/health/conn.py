@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 
 from extractedprism.config.endpoints import is_ip
+from extractedprism.errors import FD_ERRNOS
 from extractedprism.health.answer import RequestThreads
 from extractedprism.health.head import (
     LINGER_S,
@@ -52,7 +53,6 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_THREADS = 64
 MAX_CONNECTIONS = 512
 _ACCEPT_PAUSE_S = 0.2
-_FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class ConnectionLoop:
@@ -238,7 +238,7 @@ class ConnectionLoop:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if exc.errno in _FD_ERRNOS:
+                if exc.errno in FD_ERRNOS:
                     # The connection stays in the backlog, so the selector would report
                     # it again at once: pause accepting instead of spinning a CPU.
                     if not self._accept_paused_until:

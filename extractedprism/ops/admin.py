@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from extractedprism.config.endpoints import parse_endpoint
+from extractedprism.errors import Error
 from extractedprism.threads import join_until, start_daemon
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,14 @@ COMMANDS = ("drain", "undrain", "close", "list")
 
 OK, REFUSED, BAD = 0, 1, 2
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class AdminSocketError(Error, OSError):
+    """The admin socket could not be created, or answered something unusable; the message
+    names the flag or what came back."""
+
+    def __str__(self) -> str:
+        return str(self.strerror or super().__str__())
 
 
 class AdminTarget(Protocol):
@@ -108,9 +117,9 @@ class AdminServer:
         where = f"--admin-socket {path}"
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
-            raise OSError(f"cannot create {where}: directory {parent} does not exist")
+            raise AdminSocketError(f"cannot create {where}: directory {parent} does not exist")
         if len(os.fsencode(path)) > _SUN_PATH_MAX:
-            raise OSError(f"cannot create {where}: the path is too long for a unix socket "
+            raise AdminSocketError(f"cannot create {where}: the path is too long for a unix socket "
                           f"({len(os.fsencode(path))} bytes, at most {_SUN_PATH_MAX})")
         self._clear_stale(where)
         tmp = _temporary_name(parent, os.path.basename(path))
@@ -125,7 +134,8 @@ class AdminServer:
             sock.close()
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            raise OSError(exc.errno, f"cannot create {where}: {exc.strerror or exc}") from exc
+            raise AdminSocketError(exc.errno,
+                                   f"cannot create {where}: {exc.strerror or exc}") from exc
         self._sock = sock
         self._inode = (st.st_dev, st.st_ino)
 
@@ -136,7 +146,7 @@ class AdminServer:
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
-            raise OSError(f"cannot create {where}: the path exists and is not a socket")
+            raise AdminSocketError(f"cannot create {where}: the path exists and is not a socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
         try:
@@ -147,7 +157,7 @@ class AdminServer:
             return
         finally:
             probe.close()
-        raise OSError(f"cannot create {where}: another process is serving on it")
+        raise AdminSocketError(f"cannot create {where}: another process is serving on it")
 
     def start(self) -> None:
         if self._sock is None:
@@ -281,7 +291,7 @@ def _temporary_name(parent: str, base: str) -> str:
         if stat.S_ISSOCK(st.st_mode):
             os.unlink(tmp)
             return tmp
-    raise OSError(f"cannot create --admin-socket {os.path.join(parent, base)}: no free "
+    raise AdminSocketError(f"cannot create --admin-socket {os.path.join(parent, base)}: no free "
                   "temporary name beside it (or the path is too long for a unix socket, "
                   f"{_SUN_PATH_MAX} bytes)")
 
@@ -382,10 +392,10 @@ def request(path: str, payload: dict[str, Any], timeout: float = CLIENT_TIMEOUT_
     try:
         reply = json.loads(buf.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
-        raise OSError(f"the admin socket answered something that is not JSON: {buf[:80]!r}"
+        raise AdminSocketError(f"the admin socket answered something that is not JSON: {buf[:80]!r}"
                       ) from None
     if not isinstance(reply, dict) or not isinstance(reply.get("code"), int):
-        raise OSError("the admin socket answered an object without a code")
+        raise AdminSocketError("the admin socket answered an object without a code")
     return reply
 
 
