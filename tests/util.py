@@ -78,15 +78,16 @@ def start_on_free_ports(start: Callable[[list[int]], subprocess.Popen[Any]],
             wait_until(lambda p=proc, ps=ports: p.poll() is not None or ready(ps), timeout,
                        message=f"process on ports {ports} ready or exited")
         except AssertionError:
-            _reap(proc)  # neither ready nor exited: leave nothing running behind the test
+            reap(proc)  # neither ready nor exited: leave nothing running behind the test
             raise
         if proc.poll() is None or proc.returncode != 1 or attempt == attempts - 1:
             return proc, ports
-        _reap(proc)
+        reap(proc)
     raise AssertionError("unreachable")
 
 
-def _reap(proc: subprocess.Popen[Any]) -> None:
+def reap(proc: subprocess.Popen[Any]) -> None:
+    """Kill ``proc`` if it still runs, wait for it and close its pipes."""
     if proc.poll() is None:
         proc.kill()
     proc.wait()
@@ -117,6 +118,14 @@ def http(address: tuple[str, int], path: str, method: str = "GET",
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
     finally:
         conn.close()
+
+
+def http_status(port: int, path: str) -> int:
+    """The status of a GET of ``path`` on 127.0.0.1:``port``; 0 while nothing answers."""
+    try:
+        return http(("127.0.0.1", port), path, timeout=2)[0]
+    except OSError:
+        return 0
 
 
 class FixedRandom(random.Random):
@@ -166,6 +175,27 @@ def read_line(sock: socket.socket) -> str:
             break
         data += chunk
     return data.decode().strip()
+
+
+def dropped(sock: socket.socket, timeout: float = 5.0) -> bool:
+    """The proxy closed ``sock`` without a byte (EOF or a reset): a client turned away."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(10) == b""
+    except ConnectionResetError:
+        return True
+
+
+def send_and_read_to_eof(sock: socket.socket, data: bytes, *, half_close: bool) -> bytes:
+    """Send ``data`` (then shut the write side if ``half_close``) and read until the peer
+    closes."""
+    sock.sendall(data)
+    if half_close:
+        sock.shutdown(socket.SHUT_WR)
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
 
 
 def whoami(app: Any) -> str:

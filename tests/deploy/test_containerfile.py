@@ -6,7 +6,6 @@ exiting 0 on SIGTERM without writing a single file."""
 
 from __future__ import annotations
 
-import http.client
 import importlib.util
 import shlex
 import shutil
@@ -28,7 +27,7 @@ from tests.deploy.helpers import (
     render,
 )
 from tests.fakes.upstream import IdentityServer
-from tests.util import ROOT, start_on_free_ports, wait_until
+from tests.util import ROOT, http_status, start_on_free_ports, wait_until
 
 STAGES = containerfile_stages(CONTAINERFILE.read_text())
 BUILD, FINAL = STAGES[1], STAGES[-1]
@@ -163,17 +162,6 @@ def _build_venv(tmp: Path) -> Path:
     return venv
 
 
-def _get(port: int, path: str) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        conn.request("GET", path)
-        return conn.getresponse().status
-    except OSError:
-        return 0
-    finally:
-        conn.close()
-
-
 def _snapshot(root: Path) -> dict[str, float]:
     return {str(p): p.stat().st_mtime for p in root.rglob("*") if not p.is_symlink()}
 
@@ -216,10 +204,10 @@ def test_entrypoint_from_a_fresh_venv_serves_and_stops_cleanly(tmp_path: Path) -
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
         proc, (bind_port, health_port) = start_on_free_ports(
-            start, lambda ports: _get(ports[1], "/healthz") == 200, timeout=30)
+            start, lambda ports: http_status(ports[1], "/healthz") == 200, timeout=30)
         try:
             assert proc.poll() is None, f"exited early:\n{proc.stdout.read()}"
-            wait_until(lambda: _get(health_port, "/readyz") == 200, timeout=30,
+            wait_until(lambda: http_status(health_port, "/readyz") == 200, timeout=30,
                        message="/readyz 200 with a healthy upstream")
             with socket.create_connection(("127.0.0.1", bind_port), timeout=5) as conn:
                 conn.settimeout(5)

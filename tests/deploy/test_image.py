@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import http.client
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ from extractedprism.config.flags import parse_duration
 from extractedprism.config.table import FLAG_BY_NAME
 from tests.deploy.helpers import CONTAINERFILE, container, containerfile_stages, env_of, render
 from tests.fakes.upstream import FakeUpstream
-from tests.util import ROOT, free_ports, wait_until
+from tests.util import ROOT, free_ports, http_status, wait_until
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 BUILD_TIMEOUT = 900.0
@@ -170,17 +169,6 @@ def test_same_layout_as_the_containerfile(working) -> None:
 # --- the entrypoint, run -------------------------------------------------------------------
 
 
-def _get(port: int, path: str) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        conn.request("GET", path)
-        return conn.getresponse().status
-    except OSError:
-        return 0
-    finally:
-        conn.close()
-
-
 def _descendants(pid: int) -> list[tuple[int, str]]:
     children: dict[int, list[int]] = {}
     names: dict[int, str] = {}
@@ -271,13 +259,13 @@ def test_entrypoint_serves_proxies_and_stops_cleanly_on_a_read_only_root(working
                                         text=True)
                 try:
                     wait_until(lambda p=proc, hp=health_port: p.poll() is not None
-                               or _get(hp, "/healthz") == 200, timeout=60,
+                               or http_status(hp, "/healthz") == 200, timeout=60,
                                message="/healthz 200 or exit")
                     if proc.poll() == 1:
                         proc.communicate(timeout=30)
                         continue
                     wait_until(lambda p=proc, hp=health_port: p.poll() is not None
-                               or _get(hp, "/readyz") == 200, timeout=60,
+                               or http_status(hp, "/readyz") == 200, timeout=60,
                                message="/readyz 200: the readyz check passes with the SA CA")
                     # What NOTES.txt tells operators to run with `kubectl exec`: a second
                     # process in the same container, with the pod's environment.
@@ -300,7 +288,7 @@ def test_entrypoint_serves_proxies_and_stops_cleanly_on_a_read_only_root(working
 def _run_checks(proc: subprocess.Popen[str], bind_port: int, health_port: int,
                 ca_file: Path, handover: Path, drain: float) -> None:
     assert proc.poll() is None, f"exited early:\n{proc.communicate(timeout=30)[0]}"
-    wait_until(lambda: _get(health_port, "/readyz") == 200, timeout=60,
+    wait_until(lambda: http_status(health_port, "/readyz") == 200, timeout=60,
                message="/readyz 200: the readyz check passes with the SA CA")
     assert _https_get_through(bind_port, ca_file) == 200, "a proxied TLS request"
     if "handover-socket" in FLAG_BY_NAME:

@@ -17,12 +17,10 @@ from typing import Any
 import pytest
 
 from extractedprism.app import App
-from extractedprism.config.endpoints import Endpoint
 from extractedprism.ops import admin
-from extractedprism.upstreams.state import ProbeResult
 from tests.conftest import fast_config
 from tests.net.test_drain import closed, open_to, still_open
-from tests.net.test_upstreams_doc import entry, when
+from tests.net.test_upstreams_doc import entry, readyz_by_hand, when
 from tests.util import first_checks_recorded, wait_until, whoami
 
 
@@ -180,16 +178,8 @@ def test_close_in_readyz_mode_needs_another_ready_upstream(make_app, servers, so
                                                            tmp_path: Path, capsys) -> None:
     ups = servers(2)
     ready = {str(ups[0].endpoint): True, str(ups[1].endpoint): False}
-
-    def prober(ep: Endpoint, timeout: float, readyz: object) -> ProbeResult:
-        r = ready[str(ep)]
-        return ProbeResult(ok=True, rtt=0.001, reason="", ready=r,
-                           ready_reason="" if r else "readyz: HTTP 503")
-
-    ca = tmp_path / "ca.pem"
-    ca.write_text("unused\n")
-    app = make_app([u.endpoint for u in ups], prober=prober, health_check="readyz",
-                   health_check_ca_file=str(ca), admin_socket=sock_path)
+    app = make_app([u.endpoint for u in ups], **readyz_by_hand(ready, tmp_path),
+                   admin_socket=sock_path)
     addr = str(ups[0].endpoint)
     wait_until(lambda: entry(app, str(ups[1].endpoint))["readiness"] == "unready", 5)
     # up1 is healthy (TCP) but not ready: closing up0 would leave nothing ready.

@@ -105,6 +105,22 @@ def hold(app: App, name: str, attempts: int = 60) -> socket.socket:
     raise AssertionError(f"no connection reached {name}")
 
 
+def hold_a_while_it_drains(api: FakeApiServer, app: App, port: int) -> socket.socket:
+    """A connection held to a (127.0.0.2), which then leaves the slice: back once a is
+    draining."""
+    addr = f"127.0.0.2:{port}"
+    wait_until(lambda: addr in pickable(app), 10)
+    s = hold(app, "a")
+    try:
+        api.set_slice(make_slice("kubernetes", ["127.0.0.3"], port=port))
+        wait_until(lambda: (u := app.registry.snapshot().get(addr)) is not None
+                   and u.draining, 5, message="draining")
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
 def echoes(s: socket.socket) -> bool:
     try:
         s.sendall(b"ping\n")
@@ -174,12 +190,7 @@ def test_removed_endpoint_drains_then_closes(
     app = start_app(api, tmp_path, drain_timeout=1.0)
     addr = f"127.0.0.2:{port}"
     try:
-        wait_until(lambda: addr in pickable(app), 10)
-        s = hold(app, "a")
-        with s:
-            api.set_slice(make_slice("kubernetes", ["127.0.0.3"], port=port))
-            wait_until(lambda: (u := app.registry.snapshot().get(addr)) is not None
-                       and u.draining, 5, message="draining")
+        with hold_a_while_it_drains(api, app, port) as s:
             assert echoes(s)  # existing connection keeps working while draining
             assert addr not in pickable(app)
             wait_until(lambda: addr not in upstreams(app), 5, message="drained and removed")
@@ -202,12 +213,7 @@ def test_readding_aborts_the_drain(
     app = start_app(api, tmp_path, drain_timeout=1.5)
     addr = f"127.0.0.2:{port}"
     try:
-        wait_until(lambda: addr in pickable(app), 10)
-        s = hold(app, "a")
-        with s:
-            api.set_slice(make_slice("kubernetes", ["127.0.0.3"], port=port))
-            wait_until(lambda: (u := app.registry.snapshot().get(addr)) is not None
-                       and u.draining, 5, message="draining")
+        with hold_a_while_it_drains(api, app, port) as s:
             api.set_slice(make_slice("kubernetes", ["127.0.0.2", "127.0.0.3"], port=port))
             wait_until(lambda: addr in pickable(app), 5, message="drain aborted")
             # past the drain deadline the connection is still open and served

@@ -421,6 +421,15 @@ def scripted(behaviour: Behaviour, **kw: Any) -> Iterator[ScriptedTLSServer]:
         srv.stop()
 
 
+def readyz_gives_up_in_time(answer: Behaviour, ca: trustme.CA, ca_file: str,
+                            timeout: float) -> None:
+    """Against a server scripted by ``answer``, /readyz says "timeout" within ``timeout``."""
+    with scripted(answer, ca=ca) as srv:
+        (r, took) = timed(srv.endpoint, timeout, settings(ca_file))
+    assert r.ready is False and r.ready_reason == "timeout"
+    assert took < timeout + SLACK
+
+
 def reset(tls: ssl.SSLSocket) -> None:
     """Close with a RST instead of a FIN."""
     tls.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
@@ -459,10 +468,7 @@ def test_readyz_status_line_then_silence_respects_deadline(ca: trustme.CA, ca_fi
         tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n")
         closing.wait(30)
 
-    with scripted(answer, ca=ca) as srv:
-        (r, took) = timed(srv.endpoint, 0.5, settings(ca_file))
-    assert r.ready is False and r.ready_reason == "timeout"
-    assert took < 0.5 + SLACK
+    readyz_gives_up_in_time(answer, ca, ca_file, 0.5)
 
 
 def test_readyz_status_200_then_reset_in_body_is_ready(ca: trustme.CA, ca_file: str) -> None:
@@ -527,10 +533,7 @@ def test_readyz_slow_drip_head_respects_deadline(ca: trustme.CA, ca_file: str) -
             if closing.wait(0.02):
                 return
 
-    with scripted(answer, ca=ca) as srv:
-        (r, took) = timed(srv.endpoint, 0.5, settings(ca_file))
-    assert r.ready is False and r.ready_reason == "timeout"
-    assert took < 0.5 + SLACK
+    readyz_gives_up_in_time(answer, ca, ca_file, 0.5)
 
 
 def test_readyz_endless_headers_bounded(ca: trustme.CA, ca_file: str) -> None:

@@ -51,6 +51,19 @@ def ok_prober(ep: Endpoint, timeout: float, readyz: object) -> ProbeResult:
     return ProbeResult(ok=True, rtt=0.001, reason="")
 
 
+def readyz_by_hand(ready: dict[str, bool], tmp_path: Path) -> dict[str, Any]:
+    """make_app settings for --health-check=readyz whose prober passes the TCP check and
+    answers /readyz with ``ready[address]``, which the test flips (the CA file is unused)."""
+    def prober(ep: Endpoint, timeout: float, readyz: object) -> ProbeResult:
+        r = ready[str(ep)]
+        return ProbeResult(ok=True, rtt=0.001, reason="", ready=r,
+                           ready_reason="" if r else "readyz: HTTP 503")
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("unused: the prober stands in for the TLS probe\n")
+    return {"prober": prober, "health_check": "readyz", "health_check_ca_file": str(ca)}
+
+
 def test_top_level_keys_and_a_healthy_upstream(make_app, servers) -> None:
     ups = servers(2)
     before = time.time()
@@ -151,16 +164,8 @@ def test_a_readiness_drain_is_visible_with_its_deadline(make_app, servers, tmp_p
                                                         ) -> None:
     ups = servers(2)
     ready = {str(u.endpoint): True for u in ups}
-
-    def prober(ep: Endpoint, timeout: float, readyz: object) -> ProbeResult:
-        r = ready[str(ep)]
-        return ProbeResult(ok=True, rtt=0.001, reason="", ready=r,
-                           ready_reason="" if r else "readyz: HTTP 503")
-
-    ca = tmp_path / "ca.pem"
-    ca.write_text("unused: the prober stands in for the TLS probe\n")
-    app = make_app([u.endpoint for u in ups], prober=prober, health_check="readyz",
-                   health_check_ca_file=str(ca), drain_timeout=5.0)
+    app = make_app([u.endpoint for u in ups], **readyz_by_hand(ready, tmp_path),
+                   drain_timeout=5.0)
     addr = str(ups[0].endpoint)
     wait_until(lambda: all(u["ready"] for u in doc(app)["upstreams"]), 5)
     assert entry(app, addr)["ready_reason"]

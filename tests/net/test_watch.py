@@ -6,6 +6,7 @@ decides on is checked exactly; one test checks the real 1 s first backoff and it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -105,12 +106,22 @@ def sa_dir(api: FakeApiServer, tmp_path: Path) -> Path:
     return api.write_service_account(tmp_path / "sa")
 
 
-@pytest.fixture
-def h(api: FakeApiServer, sa_dir: Path) -> Iterator[Harness]:
+@contextlib.contextmanager
+def running(api: FakeApiServer, sa_dir: Path) -> Iterator[Harness]:
+    """A Harness whose provider runs for the with block (started after the test set the
+    API server up) and must stop within 5 s after it."""
     harness = Harness(api, sa_dir)
     harness.provider.start()
-    yield harness
-    assert harness.provider.stop_and_join(5)
+    try:
+        yield harness
+    finally:
+        assert harness.provider.stop_and_join(5)
+
+
+@pytest.fixture
+def h(api: FakeApiServer, sa_dir: Path) -> Iterator[Harness]:
+    with running(api, sa_dir) as harness:
+        yield harness
 
 
 # --- list, watch and the cache -------------------------------------------------------
@@ -202,9 +213,7 @@ def test_a_bad_slice_is_logged_once_not_on_every_event_or_relist(
     bad = make_slice("kubernetes-bad", ["10.0.0.9"])
     bad["ports"] = [{"name": "https", "port": 70000}]
     api.set_slice(bad)
-    h = Harness(api, sa_dir)
-    h.provider.start()
-    try:
+    with running(api, sa_dir) as h:
         h.wait_watches(1)
         for i in range(3):  # events of other slices recompute from the whole cache
             api.set_slice(make_slice(f"kubernetes-{i}", [f"10.0.1.{i}"]))
@@ -220,8 +229,6 @@ def test_a_bad_slice_is_logged_once_not_on_every_event_or_relist(
         assert "field=ports[0].port" in lines[0] and "outside 1-65535" in lines[0]
         assert "10.0.0.9:6443" not in h.last_endpoints()
         assert h.errors() == 0
-    finally:
-        assert h.provider.stop_and_join(5)
 
 
 def test_an_unusable_update_keeps_the_slices_last_endpoints(
@@ -442,17 +449,13 @@ def test_a_malformed_list_is_a_counted_failed_list_and_retried(
         api: FakeApiServer, sa_dir: Path, body: Any,
         caplog: pytest.LogCaptureFixture) -> None:
     api.serve_next_list(body)
-    h = Harness(api, sa_dir)
-    h.provider.start()
-    try:
+    with running(api, sa_dir) as h:
         h.wait_watches(1)
         assert h.kinds() == ["L", "L", "W"]
         assert h.delays == [1.125]
         assert h.errors() == 1
         assert "endpointslice list failed error=ValueError" in caplog.text
         assert h.last_endpoints() == ["10.0.0.1:6443", "10.0.0.2:6443"]
-    finally:
-        assert h.provider.stop_and_join(5)
 
 
 def test_list_items_of_wrong_shape_are_skipped(api: FakeApiServer, sa_dir: Path,
@@ -461,15 +464,11 @@ def test_list_items_of_wrong_shape_are_skipped(api: FakeApiServer, sa_dir: Path,
     api.serve_next_list({"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
                          "metadata": {"resourceVersion": str(api.resource_version)},
                          "items": ["a string", None, {"metadata": "x"}, good]})
-    h = Harness(api, sa_dir)
-    h.provider.start()
-    try:
+    with running(api, sa_dir) as h:
         h.wait_watches(1)
         assert h.updates[0] == [Endpoint("10.0.0.1", 6443)]
         assert caplog.text.count("field=metadata.name reason='missing'") == 3
         assert h.errors() == 0
-    finally:
-        assert h.provider.stop_and_join(5)
 
 
 # --- reconnect timing rules ----------------------------------------------------------
@@ -503,9 +502,7 @@ def test_long_clean_end_reopens_at_once(h: Harness) -> None:
 def test_error_on_the_rewatch_after_a_long_watch_restarts_backoff(api: FakeApiServer,
                                                                    sa_dir: Path) -> None:
     api.fail("list", 500, count=3)
-    h = Harness(api, sa_dir)
-    h.provider.start()
-    try:
+    with running(api, sa_dir) as h:
         h.wait_watches(1)
         assert h.delays == [1.125, 2.25, 4.5]
         h.clock.advance(31)
@@ -516,24 +513,18 @@ def test_error_on_the_rewatch_after_a_long_watch_restarts_backoff(api: FakeApiSe
         assert h.delays == [1.125, 2.25, 4.5, 1.125]
         assert h.kinds() == ["L", "L", "L", "L", "W", "W", "W"]
         assert h.errors() == 4
-    finally:
-        assert h.provider.stop_and_join(5)
 
 
 def test_error_event_ending_a_long_watch_restarts_backoff(api: FakeApiServer,
                                                           sa_dir: Path) -> None:
     api.fail("list", 500, count=2)
-    h = Harness(api, sa_dir)
-    h.provider.start()
-    try:
+    with running(api, sa_dir) as h:
         h.wait_watches(1)
         h.clock.advance(30)
         api.send_error_event(500, "InternalError")
         h.wait_watches(2)
         assert h.delays == [1.125, 2.25, 1.125]
         assert h.errors() == 3
-    finally:
-        assert h.provider.stop_and_join(5)
 
 
 def test_errors_without_a_long_watch_keep_doubling(h: Harness) -> None:
@@ -612,9 +603,7 @@ def test_http_410_after_a_short_watch_waits_for_backoff(h: Harness) -> None:
 def test_410_event_on_a_new_watch_like_the_watch_cache(api: FakeApiServer,
                                                         sa_dir: Path) -> None:
     assert api.too_old == "event"  # the fake's default, as the real watch cache answers
-    h = Harness(api, sa_dir)
-    h.provider.start()
-    try:
+    with running(api, sa_dir) as h:
         h.wait_watches(1)
         api.expire(notify_open=False)
         h.clock.advance(31)
@@ -623,8 +612,6 @@ def test_410_event_on_a_new_watch_like_the_watch_cache(api: FakeApiServer,
         assert h.kinds() == ["L", "W", "W", "L", "W"]
         assert h.sleeps == []
         assert h.errors() == 0
-    finally:
-        assert h.provider.stop_and_join(5)
 
 
 def test_failed_relist_is_counted_and_retried(h: Harness) -> None:
@@ -850,13 +837,9 @@ def test_a_list_over_the_size_cap_is_a_counted_failed_list(
         api: FakeApiServer, sa_dir: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(kube, "LIST_MAX_BYTES", 50)  # the fake's list is a few hundred
-    h = Harness(api, sa_dir)
-    h.provider.start()
-    try:
+    with running(api, sa_dir) as h:
         # The watcher counts the failure just before it logs it: wait for both.
         wait_until(lambda: h.errors() >= 1
                    and "EndpointSlice list larger than 50 bytes" in caplog.text, 10,
                    message="the oversized list counted and logged")
         assert h.kinds()[:1] == ["L"] and "W" not in h.kinds()
-    finally:
-        assert h.provider.stop_and_join(5)

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.fakes.upstream import IdentityServer
+from tests.process.proxyproc import health_ok
 from tests.util import PYTHON, ROOT, http, start_on_free_ports, wait_until
 
 
@@ -38,15 +39,20 @@ def spawn(endpoint: str, *args: str, nofile: int | None = None
             cwd=ROOT, env=env, preexec_fn=limit, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)
 
-    def up(ports: list[int]) -> bool:
-        try:
-            return http(("127.0.0.1", ports[1]), "/healthz", timeout=1)[0] == 200
-        except OSError:
-            return False
-
-    proc, (bind, health) = start_on_free_ports(start, up)
+    proc, (bind, health) = start_on_free_ports(start, lambda ps: health_ok(ps[1]))
     assert proc.poll() is None, f"the proxy exited with {proc.returncode}"
     return proc, bind, health
+
+
+def stop_all(proc: subprocess.Popen[bytes], up: IdentityServer,
+             held: list[socket.socket]) -> None:
+    """Close the test's connections, SIGTERM the proxy (its exit status is the caller's to
+    check) and stop the upstream."""
+    for s in held:
+        s.close()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(10)
+    up.stop()
 
 
 def served(bind: int, timeout: float = 0.5) -> socket.socket | None:
@@ -98,11 +104,7 @@ def test_acceptor_survives_fd_exhaustion_and_recovers():
         assert proc.poll() is None
         assert http(("127.0.0.1", health), "/healthz")[0] == 200
     finally:
-        for s in held:
-            s.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
-        up.stop()
+        stop_all(proc, up, held)
     assert proc.returncode == 0
 
 
@@ -248,9 +250,5 @@ def test_connections_keep_relaying_while_out_of_descriptors(relay):
                        == pipes_before + 4, 5)
         assert proc.poll() is None
     finally:
-        for s in held:
-            s.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
-        up.stop()
+        stop_all(proc, up, held)
     assert proc.returncode == 0

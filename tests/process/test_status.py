@@ -14,7 +14,7 @@ import pytest
 
 from tests.fakes.upstream import IdentityServer
 from tests.process.proxyproc import ProxyProcess, start_proxy
-from tests.util import PYTHON, ROOT, http, run_cli, wait_until
+from tests.util import PYTHON, ROOT, http, reap, run_cli, wait_until
 
 
 @pytest.fixture
@@ -159,10 +159,6 @@ def test_watch_redraws_until_interrupted(up, tmp_path: Path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(10) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
+        reap(proc)
         p.stop()
     assert len(frames) == 3
