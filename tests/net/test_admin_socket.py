@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from extractedprism.ops import admin
-from tests.util import run_cli, wait_until
+from tests.util import run_cli, send_and_read_to_eof, wait_until
 
 
 class StubTarget:
@@ -80,13 +80,18 @@ def raw_request(path: str, data: bytes, *, shut: bool = True) -> dict[str, Any]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(10)
         s.connect(path)
-        s.sendall(data)
-        if shut:
-            s.shutdown(socket.SHUT_WR)
-        buf = b""
-        while chunk := s.recv(65536):
-            buf += chunk
+        buf = send_and_read_to_eof(s, data, half_close=shut)
     return json.loads(buf)
+
+
+def answers_a_list(path: str) -> bool:
+    """An AdminServer started on ``path`` answers a list request (stopped after)."""
+    server = admin.AdminServer(path, StubTarget([]), listing)
+    server.start()
+    try:
+        return raw_request(path, b'{"command": "list"}\n')["code"] == 0
+    finally:
+        server.stop()
 
 
 # -- the socket ---------------------------------------------------------------------------
@@ -111,12 +116,7 @@ def test_a_stale_socket_is_replaced(sockdir: str) -> None:
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     dead.bind(path)
     dead.close()  # the file stays, nobody listens: what a killed process leaves
-    server = admin.AdminServer(path, StubTarget([]), listing)
-    server.start()
-    try:
-        assert raw_request(path, b'{"command": "list"}\n')["code"] == 0
-    finally:
-        server.stop()
+    assert answers_a_list(path)
 
 
 def test_a_live_socket_or_a_regular_file_is_not_taken_over(
@@ -141,12 +141,7 @@ def test_a_path_near_the_unix_limit_still_works_and_a_longer_one_is_named(sockdi
                                                                          ) -> None:
     room = 107 - len(os.fsencode(sockdir)) - 1
     path = os.path.join(sockdir, "a" * room)  # exactly the longest a unix socket takes
-    server = admin.AdminServer(path, StubTarget([]), listing)
-    server.start()
-    try:
-        assert raw_request(path, b'{"command": "list"}\n')["code"] == 0
-    finally:
-        server.stop()
+    assert answers_a_list(path)
     with pytest.raises(OSError, match=r"--admin-socket .*too long"):
         admin.AdminServer(path + "a", StubTarget([]), listing).bind()
 

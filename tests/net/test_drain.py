@@ -5,8 +5,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
+from extractedprism.app import App
 from extractedprism.config.endpoints import Endpoint
+from tests.fakes.upstream import IdentityServer
 from tests.util import (
     connect,
     connection_count,
@@ -33,6 +36,15 @@ def open_to(app, name: str, want: int = 1, limit: int = 200) -> list[socket.sock
     return mine
 
 
+def held_on_up0(make_app: Callable[..., App], servers: Callable[..., list[IdentityServer]],
+                drain_timeout: float) -> tuple[App, list[IdentityServer], socket.socket]:
+    """An App over two upstreams (up0, up1) and one connection held to up0."""
+    ups = servers(2)
+    app = make_app([u.endpoint for u in ups], drain_timeout=drain_timeout)
+    (conn,) = open_to(app, "up0")
+    return app, ups, conn
+
+
 def still_open(s: socket.socket) -> bool:
     s.sendall(b"ping\n")
     return read_line(s) == "ping"
@@ -47,9 +59,7 @@ def closed(s: socket.socket) -> bool:
 
 
 def test_removed_endpoint_drains_until_timeout(make_app, servers):
-    ups = servers(2)
-    app = make_app([u.endpoint for u in ups], drain_timeout=1.0)
-    (conn,) = open_to(app, "up0")
+    app, ups, conn = held_on_up0(make_app, servers, drain_timeout=1.0)
     gone = ups[0].address
     t0 = time.monotonic()
     app.registry.set_endpoints([ups[1].endpoint])
@@ -67,9 +77,7 @@ def test_removed_endpoint_drains_until_timeout(make_app, servers):
 
 
 def test_readding_aborts_the_drain(make_app, servers):
-    ups = servers(2)
-    app = make_app([u.endpoint for u in ups], drain_timeout=0.6)
-    (conn,) = open_to(app, "up0")
+    app, ups, conn = held_on_up0(make_app, servers, drain_timeout=0.6)
     app.registry.set_endpoints([ups[1].endpoint])
     assert app.registry.snapshot().get(ups[0].address).draining
     app.registry.set_endpoints([u.endpoint for u in ups])
@@ -82,9 +90,7 @@ def test_readding_aborts_the_drain(make_app, servers):
 
 
 def test_zero_drain_timeout_closes_at_once(make_app, servers):
-    ups = servers(2)
-    app = make_app([u.endpoint for u in ups], drain_timeout=0.0)
-    (conn,) = open_to(app, "up0")
+    app, ups, conn = held_on_up0(make_app, servers, drain_timeout=0.0)
     t0 = time.monotonic()
     app.registry.set_endpoints([ups[1].endpoint])
     assert closed(conn)
@@ -94,9 +100,7 @@ def test_zero_drain_timeout_closes_at_once(make_app, servers):
 
 
 def test_drain_completes_early_when_connections_finish(make_app, servers):
-    ups = servers(2)
-    app = make_app([u.endpoint for u in ups], drain_timeout=30.0)
-    (conn,) = open_to(app, "up0")
+    app, ups, conn = held_on_up0(make_app, servers, drain_timeout=30.0)
     app.registry.set_endpoints([ups[1].endpoint])
     conn.close()
     wait_until(lambda: app.registry.snapshot().get(ups[0].address) is None, 5)

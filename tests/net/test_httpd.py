@@ -12,7 +12,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.util import http, wait_until
+from tests.util import http, send_and_read_to_eof, wait_until
 
 
 @pytest.fixture
@@ -161,12 +161,7 @@ def _exchange(address: tuple[str, int], data: bytes, *, half_close: bool = False
     """Send ``data``, read until the server closes; (everything read, seconds taken)."""
     t0 = time.monotonic()
     with socket.create_connection(address, timeout=timeout) as s:
-        s.sendall(data)
-        if half_close:
-            s.shutdown(socket.SHUT_WR)
-        out = b""
-        while chunk := s.recv(65536):
-            out += chunk
+        out = send_and_read_to_eof(s, data, half_close=half_close)
     return out, time.monotonic() - t0
 
 

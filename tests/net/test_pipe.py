@@ -111,6 +111,13 @@ def test_thread_pipes_are_reused_across_connections(relay):
     assert seen[0] is seen[1] and seen[0] is not None
 
 
+def piped(path: tuple[str, str]) -> tuple[socket.socket, socket.socket, Pipe]:
+    """A client and an upstream socket with a Pipe (not yet run) between their peers."""
+    client, proxy_c = tcp_pair()
+    proxy_u, upstream = tcp_pair()
+    return client, upstream, make_pipe(proxy_c, proxy_u, path)
+
+
 def start_pipe(p: Pipe) -> threading.Thread:
     """Run ``p`` on a thread that gives its kernel pipes back at the end, as pipe threads do."""
     def pipe_thread() -> None:
@@ -136,9 +143,7 @@ def _reset_seen(sock: socket.socket) -> bool:
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
 def test_reset_from_the_client_resets_the_upstream(path):
-    client, proxy_c = tcp_pair()
-    proxy_u, upstream = tcp_pair()
-    p = make_pipe(proxy_c, proxy_u, path)
+    client, upstream, p = piped(path)
     t = start_pipe(p)
     client.sendall(b"x" * 1000)
     upstream.settimeout(5)
@@ -155,9 +160,7 @@ def test_reset_from_the_client_resets_the_upstream(path):
 def test_close_from_another_thread_ends_a_busy_transfer(path):
     """Pipe.close() (drains, readiness moves, shutdown) wakes the relay mid-transfer;
     both peers see a reset; the relay's thread returns."""
-    client, proxy_c = tcp_pair()
-    proxy_u, upstream = tcp_pair()
-    p = make_pipe(proxy_c, proxy_u, path)
+    client, upstream, p = piped(path)
     stop = threading.Event()
 
     def pump_both() -> None:  # both directions busy, nobody reads the upstream's side
@@ -200,9 +203,7 @@ def test_close_from_another_thread_ends_a_busy_transfer(path):
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
 def test_byte_counters_are_live_while_the_connection_runs(path):
-    client, proxy_c = tcp_pair()
-    proxy_u, upstream = tcp_pair()
-    p = make_pipe(proxy_c, proxy_u, path)
+    client, upstream, p = piped(path)
     relay = start_pipe(p)
     try:
         client.sendall(b"u" * 300_000)
@@ -227,9 +228,7 @@ def test_byte_counters_are_live_while_the_connection_runs(path):
 
 def test_native_relay_releases_the_gil():
     """The native relay blocks without the GIL: another thread runs Python meanwhile."""
-    client, proxy_c = tcp_pair()
-    proxy_u, upstream = tcp_pair()
-    p = make_pipe(proxy_c, proxy_u, ("native", "splice"))
+    client, upstream, p = piped(("native", "splice"))
     relay = start_pipe(p)
     try:
         spins = 0
