@@ -33,7 +33,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import urllib3
 from kubernetes import client as k8s
@@ -58,6 +58,18 @@ def stop_live() -> None:
     while LIVE:
         with contextlib.suppress(Exception):
             LIVE.pop().stop()
+
+
+_Client = TypeVar("_Client")
+
+
+def start_live(client: _Client, threads: list[threading.Thread]) -> _Client:
+    """Start a background client's ``threads``, listed in LIVE first so that a failing
+    test's teardown stops it."""
+    LIVE.append(client)
+    for t in threads:
+        t.start()
+    return client
 
 
 class ClientGoRetry(urllib3.Retry):
@@ -135,10 +147,7 @@ class Load:
                                            name=f"cp-load-fresh-{i}") for i in range(fresh)]
 
     def start(self) -> Load:
-        LIVE.append(self)
-        for t in self._threads:
-            t.start()
-        return self
+        return start_live(self, self._threads)
 
     def _run(self, fresh: bool) -> None:
         api = api_client(self.port, self.ca, self.token, fresh_connections=fresh)
@@ -203,9 +212,7 @@ class Writer:
                                             data={"seq": "0"}))
 
     def start(self) -> Writer:
-        LIVE.append(self)
-        self._thread.start()
-        return self
+        return start_live(self, [self._thread])
 
     def _run(self) -> None:
         deadline = mono() + MAX_RUN_S
@@ -270,9 +277,7 @@ class Watcher:
         self._thread = threading.Thread(target=self._run, name=f"cp-watch-{name}", daemon=True)
 
     def start(self) -> Watcher:
-        LIVE.append(self)
-        self._thread.start()
-        return self
+        return start_live(self, [self._thread])
 
     def _command(self) -> list[str]:
         q = "watch=1&timeoutSeconds=900"
@@ -389,9 +394,7 @@ class Sampler:
         self._thread = threading.Thread(target=self._run, name="cp-sampler", daemon=True)
 
     def start(self) -> Sampler:
-        LIVE.append(self)
-        self._thread.start()
-        return self
+        return start_live(self, [self._thread])
 
     def _run(self) -> None:
         deadline = mono() + MAX_RUN_S
