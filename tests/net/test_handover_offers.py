@@ -141,42 +141,44 @@ def test_an_unusable_descriptor_in_the_offer_is_closed_and_the_start_binds_its_o
         offerer.close()
 
 
-def test_a_malformed_offer_closes_every_descriptor(tmp_path: Path, opened: list[int],
-                                                   caplog: pytest.LogCaptureFixture):
-    r, w = os.pipe()
-    opened.extend([r, w])
-    path = str(tmp_path / "ho.sock")
+@pytest.fixture
+def offer(tmp_path: Path, opened: list[int]) -> Iterator[Callable[..., str]]:
+    """Starts a FakeOfferer of ``message`` with a pipe's read end first in its
+    descriptors, then ``more``; returns the handover socket's path."""
+    made: list[FakeOfferer] = []
+
+    def factory(message: bytes, *more: int) -> str:
+        r, w = os.pipe()
+        opened.extend([r, w])
+        path = str(tmp_path / "ho.sock")
+        made.append(FakeOfferer(path, message, [r, *more]))
+        return path
+
+    yield factory
+    for o in made:
+        o.close()
+
+
+def test_a_malformed_offer_closes_every_descriptor(offer, caplog: pytest.LogCaptureFixture):
     # A pid that is not a number, and two names for one descriptor.
-    message = b'{"version": 1, "pid": "x", "listeners": ["proxy", "health"]}\n'
-    offerer = FakeOfferer(path, message, [r])
+    path = offer(b'{"version": 1, "pid": "x", "listeners": ["proxy", "health"]}\n')
     caplog.set_level(logging.WARNING)
-    try:
-        assert handover.receive(path) is None
-        assert "2 listeners named, 1 descriptors received" in caplog.text
-    finally:
-        offerer.close()
+    assert handover.receive(path) is None
+    assert "2 listeners named, 1 descriptors received" in caplog.text
 
 
-def test_a_usable_listener_next_to_a_pipe_is_taken(tmp_path: Path, opened: list[int],
-                                                   caplog: pytest.LogCaptureFixture):
-    r, w = os.pipe()
-    opened.extend([r, w])
-    listener = socket.create_server(("127.0.0.1", 0))
-    path = str(tmp_path / "ho.sock")
-    message = b'{"version": 1, "pid": 7, "listeners": ["health", "proxy"]}\n'
-    offerer = FakeOfferer(path, message, [r, listener.fileno()])
-    caplog.set_level(logging.WARNING)
-    try:
+def test_a_usable_listener_next_to_a_pipe_is_taken(offer, caplog: pytest.LogCaptureFixture):
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        path = offer(b'{"version": 1, "pid": 7, "listeners": ["health", "proxy"]}\n',
+                     listener.fileno())
+        caplog.set_level(logging.WARNING)
         received = handover.receive(path)
         assert received is not None and set(received.sockets) == {"proxy"}
         taken = received.take("proxy")
         assert taken is not None and taken.getsockname() == listener.getsockname()
         taken.close()
         received.abort()
-        assert "the predecessor's health listener is unusable" in caplog.text
-    finally:
-        offerer.close()
-        listener.close()
+    assert "the predecessor's health listener is unusable" in caplog.text
 
 
 def test_neither_unix_socket_changes_the_process_umask(tmp_path: Path,

@@ -14,6 +14,7 @@ that accepts and never completes the TLS handshake (it waits the whole default 1
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
@@ -108,6 +109,10 @@ def test_sigterm_exits_within_5s_with_admin_handover_and_a_hung_probe_busy(tmp_p
         print(f"SIGTERM to exit: {took:.2f}s")
         assert proc.popen.returncode == 0, proc.log
         assert took < bound, f"exit took {took:.2f}s (bound {bound:g}s)\n{proc.log}"
+        # SIGTERM in the middle of the handover: the listener the successor holds was
+        # closed by the old instance, never shut down, so it still listens.
+        with socket.socket(fileno=os.dup(fds[0])) as shared:
+            assert shared.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
         # The probe is the one thread still running at the deadline: named once.
         assert proc.log.count("thread outlived its shutdown deadline") >= 1, proc.log
         assert "thread=probe-" in proc.log, proc.log
