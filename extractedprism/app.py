@@ -13,9 +13,10 @@ force-close in-flight connections, wait for pipe threads), and the health server
 graceful shutdown, started at the same time as the proxy's. Every wait is against that
 one deadline, so SIGTERM ends the process within about 5 s whatever is stuck (a probe
 in getaddrinfo, a list call in flight): a daemon thread still running at the deadline
-is logged by name once and abandoned. With ``--shutdown-drain-timeout`` above 0 a drain
-comes first: accepting stops, live connections are closed spread evenly over the
-window, and the spec's shutdown follows.
+is logged by name once and abandoned. The admin socket and the handover offer are told
+to stop at once and waited for against the same deadline, never before it. With
+``--shutdown-drain-timeout`` above 0 a drain comes first: accepting stops, live
+connections are closed spread evenly over the window, and the spec's shutdown follows.
 """
 
 from __future__ import annotations
