@@ -13,9 +13,10 @@ force-close in-flight connections, wait for pipe threads), and the health server
 graceful shutdown, started at the same time as the proxy's. Every wait is against that
 one deadline, so SIGTERM ends the process within about 5 s whatever is stuck (a probe
 in getaddrinfo, a list call in flight): a daemon thread still running at the deadline
-is logged by name once and abandoned. With ``--shutdown-drain-timeout`` above 0 a drain
-comes first: accepting stops, live connections are closed spread evenly over the
-window, and the spec's shutdown follows.
+is logged by name once and abandoned. The admin socket and the handover offer are told
+to stop at once and waited for against the same deadline, never before it. With
+``--shutdown-drain-timeout`` above 0 a drain comes first: accepting stops, live
+connections are closed spread evenly over the window, and the spec's shutdown follows.
 """
 
 from __future__ import annotations
@@ -378,17 +379,21 @@ class App:
     def stop(self) -> bool:
         """Ordered, bounded shutdown; True when every thread finished in time.
 
-        At most the shutdown drain window plus ``SHUTDOWN_TIMEOUT_S`` (and the offer
-        thread's wake-up): every stage waits against one deadline.
+        At most the shutdown drain window plus ``SHUTDOWN_TIMEOUT_S``: every stage after
+        the drain (the proxy and its dial reaper, discovery, the ticker and its probes,
+        the state file, the heartbeat, the admin socket, the handover offer, the health
+        server) waits against one deadline; before it, stopping is only telling.
         """
         self.stop_event.set()
-        admin_ok = self.admin.stop() if self.admin is not None else True
-        if self._offer is not None:
-            self._offer.stop(handover.OFFER_ACCEPT_WAKE_S * 5)
-            if self._offer.in_flight:
-                # SIGTERM in the middle of a handover: the successor may accept on the
-                # listener already, so it is closed here, never shut down.
-                self.proxy.share_listener()
+        # Told now, waited for at the deadline below: neither answers nor offers from
+        # here on, and neither's wait (a request in hand, a successor's answer) comes
+        # before the drain or the deadline.
+        if self.admin is not None:
+            self.admin.begin_stop()
+        if self._offer is not None and self._offer.begin_stop():
+            # SIGTERM in the middle of a handover: the successor may accept on the
+            # listener already, so it is closed here, never shut down.
+            self.proxy.share_listener()
         if self.config.shutdown_drain_timeout > 0 and self._started:
             self._shutdown_drain(self.config.shutdown_drain_timeout)
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
@@ -407,9 +412,12 @@ class App:
         if self._state_writer is not None:
             ok &= self._state_writer.join(left())
         self.heartbeat.join(min(HEARTBEAT_JOIN_S, left()))
+        if self.admin is not None:
+            ok &= self.admin.stop(deadline)
+        if self._offer is not None:
+            ok &= self._offer.stop(deadline)
         if self.health is not None:
             ok &= self.health.wait_stopped(deadline)
-        ok &= admin_ok
         log.info("extractedprism stopped clean=%s", ok)
         return ok
 

@@ -42,6 +42,7 @@ from extractedprism.datapath.sockopts import (
 )
 from extractedprism.errors import FD_ERRNOS
 from extractedprism.logs import connlog
+from extractedprism.threads import join_until
 from extractedprism.upstreams.registry import Registry
 from extractedprism.upstreams.reservation import Reservation
 
@@ -87,8 +88,10 @@ class Dialer:
         self._stopping = stopping
         self._reaper = _Reaper(self)
 
-    def shutdown(self) -> None:
-        self._reaper.stop()
+    def shutdown(self, deadline: float) -> bool:
+        """Stop the reaper (its losing dials are closed, not counted) and wait for it
+        until ``deadline`` (``time.monotonic()``, the shutdown's one deadline)."""
+        return self._reaper.stop(deadline)
 
     # -- outcomes (the one place a dial's result is recorded) --------------------------
 
@@ -387,13 +390,12 @@ class _Reaper:
             except BlockingIOError:
                 pass  # full: the loop wakes anyway
 
-    def stop(self) -> None:
+    def stop(self, deadline: float) -> bool:
         with self._lock:
             self._stopped = True
             t = self._thread
             self._poke_locked()
-        if t is not None:
-            t.join(5)
+        return join_until([t], deadline)
 
     def _loop(self) -> None:
         with self._lock:

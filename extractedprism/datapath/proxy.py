@@ -200,8 +200,7 @@ class Proxy:
         if closed:
             log.info("shutdown: force-closed connections count=%d", closed)
         threads = self.pipe_pool.stop()  # busy ones see _stopping when their connection ends
-        ok = True
-        self._dialer.shutdown()
+        ok = self._dialer.shutdown(deadline)
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():

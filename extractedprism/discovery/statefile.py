@@ -2,8 +2,10 @@
 
 Format: ``{"version": 1, "endpoints": ["host:port", ...], "written": "<RFC 3339>"}``.
 Written whenever discovery produces a changed, non-empty list, atomically (a temporary
-file in the same directory, fsync, rename over the old one, fsync of the directory), so
-a crash or power loss leaves either the old file or the new one, never half of one.
+file in the same directory, made exclusively under a random name so a symlink planted in
+a shared directory is never followed; fsync, rename over the old one, fsync of the
+directory), so a crash or power loss leaves either the old file or the new one, never
+half of one.
 Read once at start as the provider ``cache``: a node whose static endpoints were all
 replaced still reaches the API server, and the cache is dropped as soon as discovery
 produces its first list (a stale file can never keep a node on old servers).
@@ -18,9 +20,11 @@ never on the watcher thread, so a slow disk delays only the file.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 
@@ -35,6 +39,13 @@ MAX_BYTES = 1 << 20  # a list of API servers is a few hundred bytes
 
 class StateFileError(Error, ValueError):
     """The file is not a state file of this version; the message says why."""
+
+
+class StateWriteError(Error, OSError):
+    """The state file could not be written safely; the message says why."""
+
+    def __str__(self) -> str:
+        return str(self.strerror or super().__str__())
 
 
 def encode(endpoints: Sequence[Endpoint], now: datetime.datetime) -> bytes:
@@ -109,8 +120,7 @@ def write(path: str, endpoints: Sequence[Endpoint],
     """Replace ``path`` atomically with ``endpoints``; raises OSError."""
     stamp = (now or _utcnow)()
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd, tmp = _create_temporary(directory, os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(encode(endpoints, stamp))
@@ -129,6 +139,33 @@ def write(path: str, endpoints: Sequence[Endpoint],
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+TEMP_ATTEMPTS = 8
+
+
+def _create_temporary(directory: str, base: str) -> tuple[int, str]:
+    """A new file beside the state file, (fd, path), that nobody else made.
+
+    The directory may be writable by another user (a shared /var/lib): a predictable
+    name followed through a symlink planted there would truncate and overwrite whatever
+    it points at, and the rename would then install the symlink as the state file. So
+    the name is random and the file is created exclusively (O_EXCL, O_NOFOLLOW): a
+    name someone took is never opened, only skipped."""
+    for _ in range(TEMP_ATTEMPTS):
+        tmp = os.path.join(directory, f".{base}.{_random_suffix()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            continue
+        return fd, tmp
+    raise StateWriteError(errno.EEXIST, f"no free temporary name in {directory} after "
+                          f"{TEMP_ATTEMPTS} attempts")
+
+
+def _random_suffix() -> str:
+    return secrets.token_hex(8)
 
 
 def _utcnow() -> datetime.datetime:

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from extractedprism.config.endpoints import parse_endpoint
 from extractedprism.errors import Error
+from extractedprism.ops.unixsock import listen_private, unlink_if_same
 from extractedprism.threads import join_until, start_daemon
 
 log = logging.getLogger(__name__)
@@ -106,38 +107,11 @@ class AdminServer:
     # -- lifecycle (main thread) -----------------------------------------------------
 
     def bind(self) -> None:
-        """Create the socket at ``path`` with mode 0600; OSError naming the flag if not.
-
-        The socket is bound under a temporary name, restricted, and only then renamed
-        into place and listened on, so there is no moment at which it is reachable
-        with a looser mode (and no process-wide umask change, which would race other
-        threads creating files).
-        """
-        path = self.path
-        where = f"--admin-socket {path}"
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise AdminSocketError(f"cannot create {where}: directory {parent} does not exist")
-        if len(os.fsencode(path)) > _SUN_PATH_MAX:
-            raise AdminSocketError(f"cannot create {where}: the path is too long for a unix socket "
-                          f"({len(os.fsencode(path))} bytes, at most {_SUN_PATH_MAX})")
+        """Create the socket at ``path`` with mode 0600 (unixsock.listen_private: never
+        reachable with a looser mode); UnixSocketError naming the flag if not."""
+        where = f"--admin-socket {self.path}"
         self._clear_stale(where)
-        tmp = _temporary_name(parent, os.path.basename(path))
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(tmp)
-            os.chmod(tmp, 0o600)
-            os.rename(tmp, path)
-            sock.listen(16)
-            st = os.stat(path)
-        except OSError as exc:
-            sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise AdminSocketError(exc.errno,
-                                   f"cannot create {where}: {exc.strerror or exc}") from exc
-        self._sock = sock
-        self._inode = (st.st_dev, st.st_ino)
+        self._sock, self._inode = listen_private(self.path, "--admin-socket", 16)
 
     def _clear_stale(self, where: str) -> None:
         """A socket left by a process that died is removed; anything else is not ours."""
@@ -165,29 +139,28 @@ class AdminServer:
         self._thread = start_daemon("admin-socket", self._serve_forever)
         log.info("admin socket listening path=%s mode=0600", self.path)
 
-    def stop(self, timeout: float = 2.0) -> bool:
-        """Stop answering, remove the socket file (if it is still ours), join."""
+    def begin_stop(self) -> None:
+        """Stop answering, at once: the thread leaves accept() now and ends after the
+        request in hand, if any (at most ``REQUEST_TIMEOUT_S`` and a short linger)."""
         self._stopping.set()
         sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        ok = join_until([self._thread], time.monotonic() + timeout)
+
+    def stop(self, deadline: float | None = None) -> bool:
+        """begin_stop(), then wait for the thread until ``deadline`` (``time.monotonic()``;
+        by default ``REQUEST_TIMEOUT_S`` from now) and remove the socket file if it is
+        still ours. True when the thread ended in time."""
+        self.begin_stop()
+        if deadline is None:
+            deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        ok = join_until([self._thread], deadline)
+        sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
-            self._sock = None
-            self._unlink_if_ours()
+            unlink_if_same(self.path, self._inode)
         return ok
-
-    def _unlink_if_ours(self) -> None:
-        try:
-            st = os.lstat(self.path)
-        except OSError:
-            return
-        # A successor may already have replaced it with its own socket: leave that.
-        if (st.st_dev, st.st_ino) == self._inode:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
 
     # -- the admin-socket thread -----------------------------------------------------
 
@@ -271,29 +244,6 @@ class AdminServer:
                  "reason=%r",
                  command, address, uid, pid, force, result, message)
         return {"code": code, "message": message}
-
-
-_SUN_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL
-
-
-def _temporary_name(parent: str, base: str) -> str:
-    """A free name beside the socket to bind under, no longer than the socket's own
-    path allows; a leftover socket of ours (a killed start) is removed, nothing else."""
-    pid = os.getpid()
-    for name in (f".{base}.{pid}.tmp", f".ep{pid}", f".ep{pid}x"):
-        tmp = os.path.join(parent, name)
-        if len(os.fsencode(tmp)) > _SUN_PATH_MAX:
-            continue
-        try:
-            st = os.lstat(tmp)
-        except FileNotFoundError:
-            return tmp
-        if stat.S_ISSOCK(st.st_mode):
-            os.unlink(tmp)
-            return tmp
-    raise AdminSocketError(f"cannot create --admin-socket {os.path.join(parent, base)}: no free "
-                  "temporary name beside it (or the path is too long for a unix socket, "
-                  f"{_SUN_PATH_MAX} bytes)")
 
 
 def _read_line(conn: socket.socket, deadline: float) -> bytes:

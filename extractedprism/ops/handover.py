@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from extractedprism.ops.unixsock import UnixSocketError, listen_private, unlink_if_same
 from extractedprism.threads import join_until, start_daemon
 
 log = logging.getLogger(__name__)
@@ -137,30 +138,105 @@ def receive(path: str, timeout: float = CONNECT_TIMEOUT_S) -> Received | None:
         log.warning("handover: no offer received path=%s reason=%r", path,
                     exc.strerror or str(exc))
         return None
-    socks = [socket.socket(fileno=fd) for fd in fds]
+    # From here every descriptor received is either in ``received`` (closed by finish()
+    # or abort()) or closed here, on every path: a start never fails, nor leaks, because
+    # of what a predecessor sent.
+    pending = list(fds)
     try:
-        offer = json.loads(msg.decode())
-        names = offer["listeners"]
-        if (offer.get("version") != VERSION or not isinstance(names, list)
-                or len(names) != len(socks) or not all(isinstance(n, str) for n in names)):
-            raise ValueError("unexpected offer")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
-        for s in socks:
-            s.close()
+        pid, names = _parse_offer(msg, len(fds))
+    except ValueError as exc:
+        _close_fds(pending)
         conn.close()
         log.warning("handover: the offer is not one this version understands; ignored "
-                    "path=%s", path)
+                    "path=%s reason=%r", path, str(exc))
         return None
-    received = Received(conn=conn, pid=int(offer.get("pid") or 0))
-    for name, sock in zip(names, socks, strict=True):
-        if sock.type != socket.SOCK_STREAM or not sock.getsockopt(
-                socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            sock.close()  # not a listening TCP socket: not ours to use
-            continue
-        received.sockets[name] = sock
+    received = Received(conn=conn, pid=pid)
+    try:
+        for name, fd in zip(names, fds, strict=True):
+            pending.remove(fd)
+            sock, problem = _listener(fd)
+            if sock is not None and name in received.sockets:
+                sock.close()
+                sock, problem = None, "offered twice"
+            if sock is None:
+                log.warning("handover: the predecessor's %s listener is unusable; this "
+                            "instance opens its own pid=%d reason=%r", name, pid, problem)
+                continue
+            received.sockets[name] = sock
+    except BaseException:
+        _close_fds(pending)
+        received.abort()
+        raise
     log.info("handover: offered listeners pid=%d listeners=%s", received.pid,
              ",".join(received.sockets) or "-")
     return received
+
+
+def _parse_offer(msg: bytes, nfds: int) -> tuple[int, list[str]]:
+    """(pid, listener names) of an offer message; ValueError saying what is wrong."""
+    try:
+        offer = json.loads(msg.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError("not JSON") from None
+    if not isinstance(offer, dict):
+        raise ValueError("not a JSON object")
+    if offer.get("version") != VERSION:
+        raise ValueError(f"version {offer.get('version')!r}, expected {VERSION}")
+    names = offer.get("listeners")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError("'listeners' is not a list of names")
+    if len(names) != nfds:
+        raise ValueError(f"{len(names)} listeners named, {nfds} descriptors received")
+    pid = offer.get("pid")
+    return (pid if isinstance(pid, int) and not isinstance(pid, bool) else 0), names
+
+
+def _listener(fd: int) -> tuple[socket.socket | None, str]:
+    """``fd`` as a listening TCP socket, or (None, what it is instead) with ``fd``
+    closed. Never raises."""
+    sock: socket.socket | None = None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISSOCK(mode):
+            kind = ("a pipe" if stat.S_ISFIFO(mode) else "a regular file"
+                    if stat.S_ISREG(mode) else "a directory" if stat.S_ISDIR(mode)
+                    else "a character device" if stat.S_ISCHR(mode) else "a file")
+            problem = f"{kind}, not a socket"
+        else:
+            sock = socket.socket(fileno=fd)
+            fd = -1  # the socket object owns it now
+            problem = _socket_problem(sock)
+    except OSError as exc:
+        problem = f"cannot inspect it: {exc.strerror or exc}"
+    if not problem and sock is not None:
+        return sock, ""
+    if sock is not None:
+        sock.close()
+    elif fd >= 0:
+        _close_fds([fd])
+    return None, problem
+
+
+def _socket_problem(sock: socket.socket) -> str:
+    """What keeps ``sock`` from being a listener to accept TCP connections on; ""."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return f"a socket of family {sock.family!s}, not TCP over IPv4 or IPv6"
+    proto = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PROTOCOL)
+    if sock.type != socket.SOCK_STREAM or proto != socket.IPPROTO_TCP:
+        kind = "a UDP socket" if proto == socket.IPPROTO_UDP else (
+            f"a socket of type {sock.type!s} and protocol {proto}")
+        return f"{kind}, not a TCP one"
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        return "a TCP socket that is not listening"
+    return ""
+
+
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def listener_matches(sock: socket.socket, host: str, port: int) -> bool:
@@ -201,63 +277,62 @@ class Offer:
         self._listeners = listeners
         self._on_taken = on_taken
         self._stop = threading.Event()
+        # Guards the stop flag against the start of a handover, so begin_stop() knows
+        # for certain whether the listeners went out (and _release() runs once).
+        self._lock = threading.Lock()
         self._server: socket.socket | None = None
-        self._inode = 0
+        self._ident: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self.handed_over = False
         # The listeners were sent and no answer came yet: a successor may be accepting
         # on them already, so they count as shared (never shut down) until it answers.
-        self.in_flight = False
+        self._in_flight = False
 
     def start(self) -> None:
         """Bind the path (replacing whatever socket file is there, atomically: a
-        predecessor's is renamed over) and start offering. Raises OSError, also for a
-        path that holds something else than a socket (never replaced)."""
+        predecessor's is renamed over) and start offering. Raises OSError
+        (UnixSocketError), also for a path that holds something else than a socket
+        (never replaced)."""
         try:
             if not stat.S_ISSOCK(os.lstat(self._path).st_mode):
-                raise OSError(errno.EEXIST, "exists and is not a unix socket")
+                raise UnixSocketError(errno.EEXIST, "exists and is not a unix socket")
         except FileNotFoundError:
             pass
-        tmp = f"{self._path}.{os.getpid()}.tmp"
-        _unlink_quietly(tmp)
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            old_umask = os.umask(0o177)  # the file is born 0600, never wider
-            try:
-                server.bind(tmp)
-            finally:
-                os.umask(old_umask)
-            os.chmod(tmp, 0o600)
-            server.listen(4)
-            server.settimeout(OFFER_ACCEPT_WAKE_S)
-            self._inode = os.stat(tmp).st_ino
-            os.rename(tmp, self._path)
-        except OSError:
-            server.close()
-            _unlink_quietly(tmp)
-            raise
+        server, self._ident = listen_private(self._path, "--handover-socket", 4)
+        server.settimeout(OFFER_ACCEPT_WAKE_S)
         self._server = server
         self._thread = start_daemon("handover-offer", self._serve)
         log.info("handover: offering listeners path=%s", self._path)
 
-    def stop(self, timeout: float = 1.0) -> None:
-        """Stop offering; remove the path if it is still this instance's."""
-        self._stop.set()
-        join_until([self._thread], time.monotonic() + timeout)
+    def begin_stop(self) -> bool:
+        """Stop offering, at once: no handover starts after this. True when a successor
+        may accept on the listeners already (sent and not answered yet, or taken): they
+        must then be closed, never shut down."""
+        with self._lock:
+            self._stop.set()
+            return self._in_flight or self.handed_over
+
+    def stop(self, deadline: float | None = None) -> bool:
+        """begin_stop(), then wait for the offer thread until ``deadline``
+        (``time.monotonic()``; by default 1 s from now; one waiting for a successor's
+        answer is abandoned then) and remove the path if it is still this instance's.
+        True when the thread ended in time."""
+        self.begin_stop()
+        if deadline is None:
+            deadline = time.monotonic() + OFFER_ACCEPT_WAKE_S * 5
+        ok = join_until([self._thread], deadline)
         self._release()
+        return ok
 
     def _release(self) -> None:
-        server, self._server = self._server, None
+        with self._lock:
+            server, self._server = self._server, None
+            handed_over = self.handed_over
         if server is None:
             return
         server.close()
-        if self.handed_over:
-            return  # the path is the successor's (renamed over ours, or about to be)
-        try:
-            if os.stat(self._path).st_ino == self._inode:
-                os.unlink(self._path)
-        except OSError:
-            pass  # gone, or a successor's now
+        if not handed_over:  # else the path is the successor's (renamed over ours)
+            unlink_if_same(self._path, self._ident)
 
     def _serve(self) -> None:
         assert self._server is not None
@@ -280,9 +355,11 @@ class Offer:
                 taken = []
             finally:
                 conn.close()
-                self.in_flight = False
+            with self._lock:
+                if taken:
+                    self.handed_over = True
+                self._in_flight = False
             if taken:
-                self.handed_over = True
                 try:
                     self._on_taken(taken)
                 except Exception:
@@ -294,12 +371,13 @@ class Offer:
 
     def _hand_over(self, conn: socket.socket) -> list[str]:
         conn.settimeout(REPLY_TIMEOUT_S)
-        if self._stop.is_set():
-            return []
         offered = {n: s for n, s in self._listeners().items() if s.fileno() >= 0}
+        with self._lock:
+            if self._stop.is_set():
+                return []
+            self._in_flight = True
         names = list(offered)
         msg = json.dumps({"version": VERSION, "pid": os.getpid(), "listeners": names})
-        self.in_flight = True
         socket.send_fds(conn, [msg.encode() + b"\n"], [s.fileno() for s in offered.values()])
         log.info("handover: offered listeners to a successor listeners=%s",
                  ",".join(names))

@@ -127,3 +127,61 @@ def test_writer_failure_is_logged_once(tmp_path: Path, caplog: pytest.LogCapture
         stop.set()
         assert w.join(5)
     assert sum("state file not written" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- issue 22 item 9: the temporary file in a directory another user may write ----------
+
+
+def _plant(at: Path, target: Path) -> None:
+    at.symlink_to(target)
+
+
+def test_a_symlink_at_the_old_predictable_name_is_not_followed(tmp_path: Path):
+    path = tmp_path / "state.json"
+    target = tmp_path / "victim"
+    target.write_bytes(b"precious\n")
+    # The name the writer used before (pid-based, known to every local user).
+    planted = tmp_path / f".state.json.{os.getpid()}.tmp"
+    _plant(planted, target)
+    statefile.write(str(path), EPS)
+    assert target.read_bytes() == b"precious\n"
+    assert not path.is_symlink() and statefile.decode(path.read_bytes()) == EPS
+    assert planted.is_symlink()  # someone else's: left alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [planted.name, "state.json", "victim"])
+
+
+def test_a_symlink_at_the_random_name_is_skipped(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch):
+    # A guessed (or raced) random name: the writer draws the planted name first.
+    path = tmp_path / "state.json"
+    target = tmp_path / "victim"
+    target.write_bytes(b"precious\n")
+    names = iter(["guessed", "fresh"])
+    monkeypatch.setattr(statefile, "_random_suffix", lambda: next(names))
+    _plant(tmp_path / ".state.json.guessed.tmp", target)
+    statefile.write(str(path), EPS)
+    assert target.read_bytes() == b"precious\n"
+    assert not path.is_symlink() and statefile.decode(path.read_bytes()) == EPS
+    assert not (tmp_path / ".state.json.fresh.tmp").exists()  # renamed into place
+
+
+def test_every_name_taken_fails_the_write_and_touches_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = tmp_path / "state.json"
+    path.write_bytes(b"old\n")
+    target = tmp_path / "victim"
+    target.write_bytes(b"precious\n")
+    monkeypatch.setattr(statefile, "_random_suffix", lambda: "guessed")
+    _plant(tmp_path / ".state.json.guessed.tmp", target)
+    with pytest.raises(OSError, match="no free temporary name"):
+        statefile.write(str(path), EPS)
+    assert target.read_bytes() == b"precious\n" and path.read_bytes() == b"old\n"
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path):
+    path = tmp_path / "state.json"
+    path.mkdir()  # the rename over a directory fails
+    with pytest.raises(OSError):
+        statefile.write(str(path), EPS)
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
