@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 import extractedprism
-from extractedprism.config.table import FLAGS, ConfigError, parse_duration, validate
+from extractedprism.config.flags import parse_duration
+from extractedprism.config.table import FLAGS, ConfigError, validate
 from extractedprism.ops import staticpod
 from tests.deploy.helpers import CHART_DIR, EXAMPLES_DIR, KUBE_VERSION, load_yaml_docs
 from tests.util import ROOT
