@@ -57,14 +57,18 @@ def cache_dir() -> Path:
 
 
 BINARIES = ("etcd", "kube-apiserver", "kubectl")
+# Built only when the fleet of hollow nodes is asked for (scripts/fleet build), so the
+# plain control plane stays as fast to build as it was.
+FLEET_BINARIES = ("kube-controller-manager", "kube-scheduler", "kubemark")
 
 
 def binary(name: str) -> Path:
     return cache_dir() / name
 
 
-def missing() -> list[str]:
-    return [b for b in BINARIES if not os.access(binary(b), os.X_OK)]
+def missing(fleet: bool = False) -> list[str]:
+    names = BINARIES + (FLEET_BINARIES if fleet else ())
+    return [b for b in names if not os.access(binary(b), os.X_OK)]
 
 
 def find_go() -> str | None:
@@ -149,15 +153,16 @@ def _lock() -> Iterator[None]:
         yield
 
 
-def build() -> Path:
-    """Build whatever is missing; returns the cache directory."""
-    if not missing():
+def build(fleet: bool = False) -> Path:
+    """Build whatever is missing (with ``fleet``, the hollow-node binaries too); returns
+    the cache directory."""
+    if not missing(fleet):
         return cache_dir()
     go = find_go()
     if go is None:
         raise SystemExit("controlplane build: no Go toolchain (set GO= or put go on PATH)")
     with _lock():
-        todo = missing()  # another builder may have finished while we waited
+        todo = missing(fleet)  # another builder may have finished while we waited
         if not todo:
             return cache_dir()
         t0 = time.monotonic()
@@ -181,7 +186,9 @@ def build() -> Path:
                 _wrapper(w, "extractedprism.local/k8sbuild",
                          {"k8s.io/kubernetes": KUBERNETES_VERSION},
                          {m: STAGING_VERSION for m in staging},
-                         ["k8s.io/kubernetes/cmd/kube-apiserver", "k8s.io/kubernetes/cmd/kubectl"])
+                         [f"k8s.io/kubernetes/cmd/{n}"
+                          for n in ("kube-apiserver", "kubectl",
+                                    *(k for k in k8s if k in FLEET_BINARIES))])
                 _run(go, ["mod", "tidy"], w)
                 for name in k8s:
                     _build_one(go, w, f"k8s.io/kubernetes/cmd/{name}", name, K8S_LDFLAGS)

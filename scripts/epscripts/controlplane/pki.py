@@ -20,7 +20,7 @@ def _openssl(*args: str, cwd: Path) -> None:
         raise CPError(f"openssl {args[0]} failed: {proc.stderr.strip()[-500:]}")
 
 
-def _issue(pki: Path, name: str, subject: str, ext: str) -> None:
+def issue(pki: Path, name: str, subject: str, ext: str) -> None:
     _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
              "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject,
              cwd=pki)
@@ -46,12 +46,12 @@ def make_pki(pki: Path, ips: list[str]) -> dict[str, str]:
     sans = ",".join(["DNS:kubernetes", "DNS:kubernetes.default", f"DNS:{SERVER_NAME}",
                      "DNS:kubernetes.default.svc.cluster.local", "DNS:localhost",
                      "IP:127.0.0.1", *(f"IP:{ip}" for ip in ips)])
-    _issue(pki, "apiserver", "/CN=kube-apiserver",
+    issue(pki, "apiserver", "/CN=kube-apiserver",
            f"subjectAltName={sans}\nextendedKeyUsage=serverAuth")
     # The node's kubelet client certificate, as the Node authorizer expects it.
-    _issue(pki, "node", f"/O=system:nodes/CN=system:node:{NODE_NAME}",
+    issue(pki, "node", f"/O=system:nodes/CN=system:node:{NODE_NAME}",
            "extendedKeyUsage=clientAuth")
-    _issue(pki, "admin", "/O=system:masters/CN=cp-admin", "extendedKeyUsage=clientAuth")
+    issue(pki, "admin", "/O=system:masters/CN=cp-admin", "extendedKeyUsage=clientAuth")
     # Service-account token signing pair.
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=pki)
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
