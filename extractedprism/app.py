@@ -261,7 +261,8 @@ class App:
         if cfg.admin_socket:
             # Before any thread runs, like the listeners: a bad path fails the start
             # (exit 1, naming the flag) and the caller's stop() closes what is open.
-            admin = AdminServer(cfg.admin_socket, AdminActions(self.registry),
+            admin = AdminServer(cfg.admin_socket,
+                                AdminActions(self.registry, self.rebalancer),
                                 self.admin_listing)
             admin.bind()
             self.admin = admin

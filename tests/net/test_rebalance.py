@@ -6,14 +6,19 @@ connection is closable once QUIET without a byte and one INTERVAL old."""
 
 from __future__ import annotations
 
+import logging
+import os
 import select
+import shutil
 import socket
 import struct
+import tempfile
 import threading
 import time
 
 import pytest
 
+from extractedprism.ops import admin
 from extractedprism.upstreams import balance
 from tests.fakes.upstream import IdentityServer
 from tests.util import connect, connection_count, read_line, sample, wait_until
@@ -255,3 +260,77 @@ def test_slow_start_gives_a_recovered_upstream_its_ramped_share_of_a_burst(make_
     assert got["up2"] > 0  # ramping, not excluded
     weight = app.registry.snapshot().get(ups[2].address).weight
     assert balance.MIN_WEIGHT <= weight < 1.0
+
+
+@pytest.fixture
+def sock_path():  # type: ignore[no-untyped-def]
+    d = tempfile.mkdtemp(prefix="ep-reb-", dir="/tmp")  # short: unix paths max 107 bytes
+    yield os.path.join(d, "admin.sock")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_admin_rebalance_runs_one_round_now_and_it_shows(make_app, servers, sock_path,
+                                                        capsys, caplog):
+    # A long interval: only the operator's round can act within this test.
+    app, ups = skewed(make_app, servers, rebalance_interval=300.0, rebalance_quiet=0.0,
+                      admin_socket=sock_path)
+    socks = [connect(app) for _ in range(6)]
+    try:
+        for s in socks:
+            read_line(s)
+        app.registry.set_admin(ups[2].address, "", 0)
+        caplog.set_level(logging.INFO)
+        # Every connection is younger than one interval (300 s): the same rules say no.
+        assert admin.main(["--socket", sock_path, "rebalance"]) == 0
+        assert "no connection closed: nothing quiet" in capsys.readouterr().out
+        doc = app.upstreams_document()
+        assert doc["rebalance"]["last_result"] == balance.NOTHING_QUIET
+        assert doc["rebalance"]["last_acted_at"] is None
+        # Old enough once the interval is short: one close, one log line, and it shows.
+        app.registry._rebalance_interval = 0.0  # the test's stand-in for "an hour later"
+        assert admin.main(["--socket", sock_path, "rebalance"]) == 0
+        assert capsys.readouterr().out.startswith("rebalanced: closed a connection of ")
+        readable, _, _ = select.select(socks, [], [], 5)
+        assert len(readable) == 1 and readable[0].recv(1) == b""
+        lines = [r.getMessage() for r in caplog.records
+                 if r.getMessage().startswith("rebalance close ")]
+        assert len(lines) == 1
+        assert "counts=" in lines[0] and "age=" in lines[0] and "quiet=" in lines[0]
+        doc = app.upstreams_document()
+        r = doc["rebalance"]
+        assert r["enabled"] and r["closes"] == 1 and r["last_result"] == balance.ACTED
+        assert r["last_acted_at"] is not None and r["interval_seconds"] == 300.0
+        by = {u["address"]: u for u in doc["upstreams"]}
+        assert sum(u["rebalance_closes"] for u in by.values()) == 1
+        wait_until(lambda: app.registry.snapshot().connections_active == 5, 5)
+        doc = app.upstreams_document()
+        shares = [u["connection_share"] for u in doc["upstreams"]]
+        assert sum(shares) == pytest.approx(1.0)
+        assert [u["fair_share"] for u in doc["upstreams"]] == [pytest.approx(5 / 3, abs=0.01)] * 3
+        assert all(u["weight"] is None for u in doc["upstreams"])  # slow start is off
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_admin_rebalance_is_refused_while_rebalancing_is_off(make_app, servers, sock_path,
+                                                            capsys):
+    ups = servers(2)
+    make_app([u.endpoint for u in ups], admin_socket=sock_path)
+    assert admin.main(["--socket", sock_path, "rebalance"]) == 1
+    assert "rebalancing is off (--rebalance-interval 0)" in capsys.readouterr().err
+
+
+def test_slow_start_weight_is_a_metric_and_in_the_document(make_app, servers):
+    ups = servers(2)
+    app = make_app([u.endpoint for u in ups], slow_start=30.0)
+    app.registry.set_admin(ups[1].address, "drain", 0)
+    app.registry.set_admin(ups[1].address, "", 0)
+    weight = sample(app.metrics, "extractedprism_upstream_weight",
+                    {"upstream": ups[1].address})
+    assert weight is not None and balance.MIN_WEIGHT <= weight < 0.5
+    assert sample(app.metrics, "extractedprism_upstream_weight",
+                  {"upstream": ups[0].address}) == 1.0
+    by = {u["address"]: u for u in app.upstreams_document()["upstreams"]}
+    assert balance.MIN_WEIGHT <= by[ups[1].address]["weight"] < 0.5
+    assert app.upstreams_document()["rebalance"] == {"enabled": False}
