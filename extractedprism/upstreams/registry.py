@@ -176,8 +176,11 @@ class Registry:
                     continue
                 rec.set_role(addr, addr in roles.fallback, fx)
                 rec.sources = tuple(roles.sources.get(addr, rec.sources))
-            self._update_readiness_deadlines_locked(self._clock(), fx)
+            now = self._clock()
+            self._update_readiness_deadlines_locked(now, fx)
             self._update_panic_locked(fx)
+            if self._slow_start > 0:  # a fallback listed again serves again: it ramps
+                self._update_serving_locked(now)
         self._run(fx)
 
     def _remove_locked(self, addr: str) -> list[Tracked]:

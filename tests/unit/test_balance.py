@@ -12,6 +12,7 @@ from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams import balance
 from extractedprism.upstreams.balance import Load, Quiet
 from extractedprism.upstreams.registry import Registry
+from extractedprism.upstreams.roles import Roles
 from extractedprism.upstreams.state import ProbeResult
 from tests.unit.test_registry import Clock
 from tests.unit.test_registry import Conn as RegistryConn
@@ -268,3 +269,12 @@ def test_rebalancing_shares_by_weight():
     assert snap.get(C).fair_share == pytest.approx(10 * 0.28 / 2.28)
     clock.now += 60  # weight 0.82: share 2.9; 5 > 1.25 * 3.55 = 4.4
     assert reg.rebalance().last_reason == balance.ACTED
+
+
+def test_slow_start_ramps_a_fallback_listed_again():
+    reg, clock = make(interval=0.0, slow=100.0)
+    reg.set_roles(Roles(fallback=frozenset({C})))  # a static endpoint discovery lacks
+    assert not reg.snapshot().get(C).pickable
+    clock.now += 10
+    reg.set_roles(Roles())  # listed by discovery again: it serves again, from 0.1
+    assert reg.snapshot().get(C).weight == pytest.approx(0.1)
