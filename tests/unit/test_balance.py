@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from extractedprism.config.endpoints import Endpoint
+from extractedprism.config.table import ConfigError, validate
 from extractedprism.upstreams import balance
 from extractedprism.upstreams.balance import Load, Quiet
 from extractedprism.upstreams.registry import Registry
@@ -278,3 +279,30 @@ def test_slow_start_ramps_a_fallback_listed_again():
     clock.now += 10
     reg.set_roles(Roles())  # listed by discovery again: it serves again, from 0.1
     assert reg.snapshot().get(C).weight == pytest.approx(0.1)
+
+
+def test_slow_start_with_latency_weighs_inside_the_tier():
+    reg, _clock = make(interval=0.0, slow=100.0, selection="latency")
+    for addr in (A, B, C):
+        reg.record_probe(addr, OK)  # one tier: every connect took 1 ms
+    reg.set_admin(C, "drain", 0)
+    reg.set_admin(C, "", 0)  # back: 0.1 of A's or B's weight inside the tier
+    picks = Counter(str(reg.reserve().endpoint) for _ in range(6000))
+    assert picks[C] / 6000 == pytest.approx(0.1 / 2.1, abs=0.015)
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("rebalance_interval", "50ms", "--rebalance-interval (50ms) must be 0 (off) or at least "
+     "100ms"),
+    ("rebalance_quiet", "-1s", "--rebalance-quiet (-1s) must not be negative"),
+    ("slow_start", "soon", "--slow-start (soon) is invalid"),
+])
+def test_bad_values_are_named(flag, value, message):
+    with pytest.raises(ConfigError) as err:
+        validate({"endpoints": "10.0.0.1:6443", flag: value})
+    assert any(p.startswith(message) for p in err.value.problems), err.value.problems
+
+
+def test_the_defaults_are_off():
+    cfg = validate({"endpoints": "10.0.0.1:6443"})
+    assert (cfg.rebalance_interval, cfg.rebalance_quiet, cfg.slow_start) == (0.0, 5.0, 0.0)
