@@ -508,14 +508,17 @@ class Registry:
             self._sample_locked(self._clock())
 
     def _sample_locked(self, now: float) -> None:
+        # A connection's Activity starts at the first sample that sees it, not in attach:
+        # a new connection's pick costs nothing more with rebalancing on, and its age and
+        # quiet time err short by at most one sample period (never long).
         for rec in self._ups.values():
             acts = rec.activity
             for key, conn in rec.conns.items():
+                seen = conn.bytes_up + conn.bytes_down
                 act = acts.get(key)
                 if act is None:
-                    continue
-                seen = conn.bytes_up + conn.bytes_down
-                if seen != act.seen:
+                    acts[key] = Activity(now, seen)
+                elif seen != act.seen:
                     act.seen, act.active = seen, now
 
     def _rebalance_blocker_locked(self) -> tuple[str, str] | None:
@@ -632,9 +635,6 @@ class Registry:
         if ok:
             assert rec is not None
             rec.conns[id(conn)] = conn
-            if self._rebalance is not None:
-                rec.activity[id(conn)] = Activity(self._clock(),
-                                                  conn.bytes_up + conn.bytes_down)
             rec.total_connections += 1
             self._conn_count += 1
             self._connections_total += 1

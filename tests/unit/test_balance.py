@@ -130,6 +130,7 @@ def attach(reg: Registry, addr: str, n: int) -> list[Conn]:
     conns = [Conn(f"{addr}#{i}") for i in range(n)]
     for c in conns:
         assert reg.attach(addr, c)
+    reg.sample_activity()  # the rebalancer thread's sampling sees them from now
     return conns
 
 
