@@ -8,6 +8,9 @@ Every thread reads and changes upstream state only through this object:
 * the ticker calls :meth:`tick` to expire drain and readiness deadlines;
 * the operator actions (:class:`~extractedprism.upstreams.actions.AdminActions`, for the
   admin socket) call :meth:`set_admin` and :meth:`known_addresses`;
+* the ``rebalancer`` thread (:mod:`extractedprism.upstreams.rebalancer`, only with
+  --rebalance-interval) calls :meth:`sample_activity` and :meth:`rebalance`, whose rule is
+  :mod:`extractedprism.upstreams.balance` (pure), as is slow start's weight ramp;
 * the health server and the metrics collector read :meth:`snapshot`.
 
 The rules of one upstream's state live in :mod:`extractedprism.upstreams.state` (pure),
