@@ -19,8 +19,9 @@ of the operator actions in :mod:`extractedprism.upstreams.actions`; this module 
 needs the lock: the address -> record dict, live connections, the counters, the drain
 and readiness deadlines and the panic flag. Fields guarded by
 ``self.lock``: ``_ups`` (and everything in each record), ``_panic``, ``_conn_count``,
-``_connections_total``, ``_closing``. Methods never do I/O, logging or callbacks while
-holding it: sockets to close, log lines and change notices are collected in an
+``_connections_total``, ``_closing``, ``_rebalance`` (the rounds' record), ``_ramping``.
+Methods never do I/O, logging or callbacks while holding it: sockets to close, log lines
+and change notices are collected in an
 :class:`~extractedprism.upstreams.effects.Effects` under the lock and carried out after it is
 released, so a stalled log handler or a slow close never stalls a pick.
 """
