@@ -214,6 +214,9 @@ liveness-interval: livenessInterval
 liveness-threshold: livenessThreshold
 drain-timeout: drainTimeout
 upstream-selection: upstreamSelection
+rebalance-interval: rebalanceInterval
+rebalance-quiet: rebalanceQuiet
+slow-start: slowStart
 health-check: healthCheck
 health-check-ca-file: healthCheckCaFile
 health-check-cert-file: healthCheckCertFile
