@@ -4,7 +4,8 @@ Each known, non-draining upstream is probed every --health-interval; a new upstr
 probed at once. After a check that leaves an upstream one failure short of exclusion (the
 registry says so), the confirming check starts --health-recheck after the failed one
 started instead (HAProxy's ``fastinter``; the default, equal to the interval, is the
-spec's timing), or as soon as the failed one ends if that took longer. Probes run on their own short-lived ``probe-<upstream>`` threads, so a
+spec's timing), or as soon as the failed one ends if that took longer. Probes run on
+their own short-lived ``probe-<upstream>`` threads, so a
 slow or silent upstream delays nobody else's check by more than its own timeout, and
 the ticker itself never blocks on a socket. Drain and readiness deadlines are expired
 by :meth:`Registry.tick`, so the ticker wakes at whichever comes first: the next due
