@@ -105,10 +105,10 @@ FLAGS: tuple[Flag, ...] = (
         "health-recheck",
         "duration",
         None,
-        "Delay of the check that confirms a first failure: after one failed check of a "
-        "healthy (or, with readyz, ready) upstream, the next one runs this long after the "
-        "failed one started instead of a whole --health-interval; two failures in a row "
-        "still exclude (default: same as --health-interval)",
+        "Delay of the check that confirms a first failure: after one failed check (or "
+        "failed client dial) of a healthy (or, with readyz, ready) upstream, the next check "
+        "runs this long after the failed one started instead of a whole --health-interval; "
+        "two failures in a row still exclude (default: same as --health-interval)",
         checks=(AT_LEAST_1S,),
         same_as="health-interval",
     ),
