@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -535,3 +536,53 @@ def start_proxy(cp: Any, workdir: Path, *, interval: float, timeout: float,
         raise AssertionError(f"extractedprism exited {proc.returncode}:\n"
                              f"{log_path.read_text(errors='replace')[-3000:]}")
     return Proxy(proc, bind, health, holder["args"], log_path, kc_admin, cp)
+
+
+# --- connections counted from each apiserver's own side ----------------------------------
+
+
+_PID = re.compile(r"pid=(\d+)")
+
+
+def _ss(argv: list[str]) -> list[list[str]]:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout
+    return [line.split() for line in out.splitlines() if line.strip()]
+
+
+def apiserver_connections(cp: Any, owners: dict[int, str]) -> dict[str, dict[str, int]]:
+    """Established connections each apiserver holds, counted by ``ss`` in its own network
+    namespace (its side of the TCP connection), grouped by who opened them: the peer
+    port is matched with the root namespace's sockets (``ss -p``), whose owning pid
+    ``owners`` maps to a group name (e.g. a fleet of proxies); others count as "other".
+
+    Returns {api: {group: count}}."""
+    bridge = cp.ip("bridge")
+    by_port: dict[int, str] = {}
+    for row in _ss(["ss", "-Htnp", "state", "established", "( dport = :6443 )"]):
+        local, users = row[2], " ".join(row[4:])
+        if not local.startswith(bridge + ":"):
+            continue
+        pid = next((int(p) for p in _PID.findall(users)), None)
+        if pid in owners:
+            by_port[int(local.rsplit(":", 1)[1])] = owners[pid]
+    out: dict[str, dict[str, int]] = {}
+    for api in ("api1", "api2", "api3"):
+        counts: dict[str, int] = {}
+        if cp.running(api):
+            ns = cp.state["netns"][api]
+            for row in _ss(["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established",
+                            "( sport = :6443 )"]):
+                peer = row[3]
+                if not peer.startswith(bridge + ":"):
+                    continue
+                group = by_port.get(int(peer.rsplit(":", 1)[1]), "other")
+                counts[group] = counts.get(group, 0) + 1
+        out[api] = counts
+    return out
+
+
+
+def skew(counts: list[int]) -> float:
+    """max / mean over the apiservers (1.0: even; 0 connections: 1.0)."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else 1.0
