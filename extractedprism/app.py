@@ -53,6 +53,7 @@ from extractedprism.ops import handover
 from extractedprism.ops.admin import AdminServer
 from extractedprism.upstreams.actions import AdminActions
 from extractedprism.upstreams.effects import Change
+from extractedprism.upstreams.rebalancer import Rebalancer
 from extractedprism.upstreams.registry import Registry
 
 if TYPE_CHECKING:
@@ -83,6 +84,9 @@ class App:
             max_connections=config.max_connections,
             rng=rng,
             on_change=self._registry_changed,
+            rebalance_interval=config.rebalance_interval,
+            rebalance_quiet=config.rebalance_quiet,
+            slow_start=config.slow_start,
         )
         self.metrics.attach_state(self.registry.snapshot)
         self.started_wall = time.time()
@@ -110,6 +114,12 @@ class App:
                            relay=relay if relay is not None else resolve(config.relay),
                            dial_hedge_delay=config.dial_hedge_delay,
                            on_accept_loop=self._accept_turned)
+        # --rebalance-interval: its own thread, only when on (upstreams/rebalancer.py).
+        self.rebalancer = (Rebalancer(self.registry, interval=config.rebalance_interval,
+                                      quiet=config.rebalance_quiet, stop=self.stop_event,
+                                      # its own draws: the registry's picks stay as seeded
+                                      rng=random.Random(rng.random()) if rng else None)
+                           if config.rebalance_interval > 0 else None)
         self.heartbeat = Heartbeat(lock_free=functools.partial(lock_free, self.registry.lock),
                                    acceptor=self.proxy, ticker=self.ticker,
                                    interval=config.liveness_interval,
@@ -253,7 +263,8 @@ class App:
         if cfg.admin_socket:
             # Before any thread runs, like the listeners: a bad path fails the start
             # (exit 1, naming the flag) and the caller's stop() closes what is open.
-            admin = AdminServer(cfg.admin_socket, AdminActions(self.registry),
+            admin = AdminServer(cfg.admin_socket,
+                                AdminActions(self.registry, self.rebalancer),
                                 self.admin_listing)
             admin.bind()
             self.admin = admin
@@ -271,6 +282,8 @@ class App:
         if cfg.enable_discovery:
             self._start_discovery()
         self.ticker.start()
+        if self.rebalancer is not None:
+            self.rebalancer.start()
         self.proxy.start()
         self.heartbeat.start()
         self.health.start()
@@ -406,6 +419,8 @@ class App:
         if self.discovery is not None:
             ok &= bool(self.discovery.stop_and_join(left()))
         ok &= self.ticker.join(left())
+        if self.rebalancer is not None:
+            ok &= self.rebalancer.join(left())
         if self._state_writer is not None:
             ok &= self._state_writer.join(left())
         self.heartbeat.join(min(HEARTBEAT_JOIN_S, left()))

@@ -67,6 +67,10 @@ def gil_cpu_valid(value: str) -> bool:
     return allowed is None or int(value) in allowed
 
 
+# 0 (off) or long enough that one close per interval stays gentle.
+REBALANCE_INTERVAL = Check(lambda v: v == 0 or v >= 0.1, "must be 0 (off) or at least 100ms")
+
+
 class ConfigError(Error, ValueError):
     """Invalid configuration; ``problems`` lists every message."""
 
@@ -149,6 +153,35 @@ FLAGS: tuple[Flag, ...] = (
         "How new connections pick an upstream: random (uniform among pickable upstreams), "
         "latency (prefer the lowest-latency tier) or least-conn (fewest active connections)",
         SELECTION_MODES,
+    ),
+    Flag(
+        "rebalance-interval",
+        "duration",
+        "0s",
+        "Every interval (with 10% jitter), when the most loaded pickable upstream holds more "
+        "than 1.25 times its fair share of the live connections and at least 2 more than the "
+        "least loaded, close one of its quiet connections with a FIN both ways (the client "
+        "reconnects and is picked again); never while an upstream drains or closes for "
+        "readiness, nor in panic mode (0: off)",
+        checks=(REBALANCE_INTERVAL,),
+    ),
+    Flag(
+        "rebalance-quiet",
+        "duration",
+        "5s",
+        "A connection rebalancing may close has moved no byte either way for at least this "
+        "long (the longest quiet first), and is at least one --rebalance-interval old",
+        checks=(NOT_NEGATIVE,),
+    ),
+    Flag(
+        "slow-start",
+        "duration",
+        "0s",
+        "An upstream that becomes pickable again (healthy, ready or undrained again, or added "
+        "to the list) takes a weight growing linearly from 0.1 to 1 over this window: random "
+        "picks by weight, least-conn compares connections / weight, latency weighs inside "
+        "the tier, rebalancing shares by weight (0: off)",
+        checks=(NOT_NEGATIVE,),
     ),
     Flag(
         "health-check",

@@ -150,7 +150,8 @@ class _Half:
 class Pipe:
     """Copies bytes both ways between ``client`` and ``upstream`` until both are done."""
 
-    __slots__ = ("_closed", "_counts", "_done", "_lock", "_mode", "_pin", "_relay", "client",
+    __slots__ = ("_closed", "_counts", "_done", "_graceful", "_lock", "_mode", "_pin", "_relay",
+                 "client",
                  "client_sock", "end_reason", "ended_by", "started", "upstream",
                  "upstream_sock")
 
@@ -166,6 +167,7 @@ class Pipe:
         # them while it runs, without the GIL, so readers see live bytes either way.
         self._counts = array("Q", (0, 0))
         self._closed = False
+        self._graceful = False  # finish(): no reset when the pipe thread closes
         # Who ended the connection and why (the debug "connection closed" line): the
         # first EOF's side, "proxy" for close(), or "error".
         self.ended_by = ""
@@ -205,6 +207,16 @@ class Pipe:
                 except OSError:
                     pass
 
+    def finish(self) -> None:
+        """Close from any thread with a FIN both ways and no reset (a rebalance close):
+        the client reads a clean EOF and reconnects; the upstream sees its client leave.
+        Bytes either peer sends after that are not relayed (chosen only for quiet
+        connections)."""
+        self._graceful = True
+        if not self.ended_by:
+            self.ended_by, self.end_reason = "proxy", "rebalanced by extractedprism"
+        self.close()
+
     # -- the pipe thread ------------------------------------------------------------
 
     def run(self) -> None:
@@ -217,6 +229,11 @@ class Pipe:
             # No descriptor for a kernel pipe (EMFILE): this connection takes the Python
             # loop's buffer copy, which needs none.
         self._run_python()
+
+    @property
+    def _aborted(self) -> bool:
+        """Closed by close() (reset both peers), not by finish() (FIN only)."""
+        return self._closed and not self._graceful
 
     def count_sent(self, n: int) -> None:
         """Bytes handed to the upstream outside the relay (a judged call's first bytes)."""
@@ -270,7 +287,7 @@ class Pipe:
             self._done = True
             cfd, ufd = c.detach(), u.detach()
         # Both closes in one GIL-holding call: two fewer GIL hand-offs per connection.
-        _close_pair(cfd, ufd, bool(err) or self._closed)  # type: ignore[misc]
+        _close_pair(cfd, ufd, bool(err) or self._aborted)  # type: ignore[misc]
 
     def _log_failure(self, exc: OSError) -> None:
         if not self.ended_by:
@@ -346,7 +363,7 @@ class Pipe:
             reset = True
             self._log_failure(exc)
         finally:
-            self._finish(up, down, reset or self._closed)
+            self._finish(up, down, reset or self._aborted)
 
     def _read(self, h: _Half) -> bool:
         """Read what src has (until a short read), writing each chunk straight on.

@@ -17,7 +17,16 @@ endpoints only, as before),
 ``last_check_at``, ``last_check_error``, ``last_error_source`` (``probe`` or ``dial``),
 ``tier``, ``rtt_seconds``, ``active_connections``, ``total_connections``, ``bytes_up``
 (client to upstream), ``bytes_down``, and ``admin`` (the operator's action, its uid and
-time, or null).
+time, or null); ``connection_share`` (its part of all live connections, 0 to 1),
+``fair_share`` (the connections it should hold by weight, while rebalancing or slow start
+is on and it is pickable, else null), ``weight`` (slow start's, 0.1 to 1; null when
+``--slow-start`` is 0) and ``rebalance_closes``.
+
+Top level, ``rebalance``: ``enabled``, and while on ``interval_seconds``,
+``quiet_seconds``, ``rounds``, ``closes``, ``last_round_at``, ``last_acted_at`` (the
+last round that closed a connection), ``last_result`` (``acted`` or why the last round
+did not act: ``no skew``, ``nothing quiet``, ``an upstream is draining``, ...) and
+``last_detail`` (the upstream that blocked it, or what was closed).
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ class _Clock:
         return None if mono is None else rfc3339(mono + self._offset)
 
 
-def upstream_entry(u: UpstreamView, wall: _Clock) -> dict[str, Any]:
+def upstream_entry(u: UpstreamView, wall: _Clock, live: int = 0) -> dict[str, Any]:
     admin = None
     if u.admin is not None:
         admin = {"action": u.admin.action, "uid": u.admin.uid, "at": wall(u.admin.at)}
@@ -86,7 +95,21 @@ def upstream_entry(u: UpstreamView, wall: _Clock) -> dict[str, Any]:
         "bytes_up": u.bytes_up,
         "bytes_down": u.bytes_down,
         "admin": admin,
+        "connection_share": round(u.active_connections / live, 4) if live else 0.0,
+        "fair_share": None if u.fair_share is None else round(u.fair_share, 2),
+        "weight": None if u.weight is None else round(u.weight, 3),
+        "rebalance_closes": u.rebalance_closes,
     }
+
+
+def rebalance_entry(snap: Snapshot, wall: _Clock) -> dict[str, Any]:
+    r = snap.rebalance
+    if r is None:
+        return {"enabled": False}
+    return {"enabled": True, "interval_seconds": r.interval, "quiet_seconds": r.quiet,
+            "rounds": r.rounds, "closes": r.closes, "last_round_at": wall(r.last_round_at),
+            "last_acted_at": wall(r.last_acted_at), "last_result": r.last_reason or None,
+            "last_detail": r.last_detail or None}
 
 
 def discovery_entry(d: DiscoveryView | None) -> dict[str, Any]:
@@ -107,5 +130,7 @@ def upstreams_document(snap: Snapshot, info: ProcessInfo) -> dict[str, Any]:
         "connections_active": snap.connections_active,
         "max_connections": snap.max_connections,
         "discovery": discovery_entry(info.discovery),
-        "upstreams": [upstream_entry(u, wall) for u in snap.upstreams],
+        "rebalance": rebalance_entry(snap, wall),
+        "upstreams": [upstream_entry(u, wall, snap.connections_active)
+                      for u in snap.upstreams],
     }

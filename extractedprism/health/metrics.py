@@ -87,6 +87,10 @@ UPSTREAM_GAUGES: tuple[tuple[str, str, PerUpstream], ...] = (
     ("upstream_ready",
      "/readyz probe state after the consecutive-failure threshold (1 ready, 0 not ready)",
      lambda s, u: (1 if u.ready else 0) if s.readyz_mode and u.probed_ready else None),
+    ("upstream_weight",
+     "Slow start's weight of the upstream, 0.1 to 1 while it ramps up after becoming "
+     "pickable (--slow-start only)",
+     lambda s, u: u.weight),
 )
 
 
@@ -138,6 +142,16 @@ class StateCollector(Collector):
                              u.dials.total)
         yield errors
         yield sent
+        if snap.rebalance is not None:
+            closes = CounterMetricFamily(
+                PREFIX + "rebalance_closes_total",
+                "Connections closed by rebalancing (a FIN both ways) to move them off an "
+                "upstream holding more than its share (--rebalance-interval only)",
+                labels=["upstream"],
+            )
+            for u in snap.upstreams:
+                closes.add_metric([u.address], u.rebalance_closes)
+            yield closes
         yield dials
         for name, doc, value in GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value(snap))

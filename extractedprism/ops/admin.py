@@ -10,7 +10,8 @@ logged with every action; a caller whose uid is neither ours nor root's is refus
 even if the socket's mode was loosened by hand.
 
 Wire format: the client sends one JSON object on one line,
-``{"command": "drain"|"undrain"|"close"|"list", "address": "host:port", "force": bool}``,
+``{"command": "drain"|"undrain"|"close"|"list"|"rebalance", "address": "host:port",
+"force": bool}`` (no address for list and rebalance),
 and gets one JSON object back, ``{"code": 0|1|2, "message": str, "upstreams": [...]}``.
 ``code`` is the client's exit status: 0 the action was taken (a close goes on in the
 background), 1 refused, 2 a bad request or an unknown address. Malformed input gets
@@ -21,7 +22,8 @@ API). The operator actions do the work (:class:`AdminTarget`, which the app fill
 :class:`~extractedprism.upstreams.actions.AdminActions` over the registry); this module
 only moves requests and answers, so it holds no upstream state of its own.
 
-The client is ``extractedprism admin [--socket PATH] drain|undrain|close [--force]|list``,
+The client is ``extractedprism admin [--socket PATH] drain|undrain|close [--force]|list|
+rebalance``,
 dispatched from :data:`extractedprism.cli.SUBCOMMANDS`.
 """
 
@@ -51,7 +53,7 @@ ENV_SOCKET = "EP_ADMIN_SOCKET"
 REQUEST_TIMEOUT_S = 2.0  # a whole request must arrive within this
 MAX_REQUEST_BYTES = 4096
 CLIENT_TIMEOUT_S = 10.0
-COMMANDS = ("drain", "undrain", "close", "list")
+COMMANDS = ("drain", "undrain", "close", "list", "rebalance")
 
 OK, REFUSED, BAD = 0, 1, 2
 _UCRED = struct.Struct("3i")  # pid, uid, gid
@@ -76,6 +78,8 @@ class AdminTarget(Protocol):
     def close(self, address: str, uid: int, *, force: bool) -> tuple[int, str]: ...
 
     def known_addresses(self) -> list[str]: ...
+
+    def rebalance(self, uid: int) -> tuple[int, str]: ...
 
 
 def normalise_address(text: str) -> str:
@@ -246,6 +250,11 @@ class AdminServer:
                                             f"expected one of {', '.join(COMMANDS)}"}
         if command == "list":
             return {"code": OK, "message": "", "upstreams": self._listing()}
+        if command == "rebalance":
+            code, message = self._target.rebalance(uid)
+            log.info("admin request action=rebalance uid=%d pid=%d result=%s reason=%r",
+                     uid, pid, {OK: "done", REFUSED: "refused"}.get(code, "failed"), message)
+            return {"code": code, "message": message}
         given = req.get("address")
         if not isinstance(given, str) or not given.strip():
             return {"code": BAD, "message": f"{command} needs an upstream address (host:port)"}
@@ -368,7 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
     close = p
     listing = sub.add_parser("list", help="show every upstream with its state and admin "
                                           "action")
-    for p in (drain, undrain, close, listing):
+    rebalance = sub.add_parser("rebalance", help="run one rebalance round now (the rules of "
+                                                 "--rebalance-interval: at most one quiet "
+                                                 "connection of an overloaded upstream is "
+                                                 "closed)")
+    for p in (drain, undrain, close, listing, rebalance):
         # Also after the command (`admin drain --socket PATH ADDR`); SUPPRESS keeps the
         # value given before the command when this one is absent.
         p.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS,
@@ -427,7 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code) if isinstance(exc.code, int) else BAD
     if args.command is None:
         parser.print_usage(sys.stderr)
-        print("extractedprism admin: give a command: drain, undrain, close or list",
+        print("extractedprism admin: give a command: drain, undrain, close, list or "
+              "rebalance",
               file=sys.stderr)
         return BAD
     path = args.socket if args.socket is not None else os.environ.get(ENV_SOCKET, "")
@@ -436,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(the proxy's --admin-socket)", file=sys.stderr)
         return BAD
     payload: dict[str, Any] = {"command": args.command}
-    if args.command != "list":
+    if args.command not in ("list", "rebalance"):
         try:
             payload["address"] = normalise_address(args.address)
         except ValueError as exc:
@@ -455,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "list" and code == OK:
         print(format_listing(list(reply.get("upstreams") or [])))
     elif code == OK:
-        print(message or f"{args.command} {payload['address']}: done")
+        print(message or f"{args.command} {payload.get('address', '')}: done")
     else:
         print(f"extractedprism admin: {message}", file=sys.stderr)
     return code

@@ -31,8 +31,8 @@ from extractedprism.config.table import FLAG_BY_NAME
 from extractedprism.errors import Error
 
 READY, NOT_READY, UNREACHABLE = 0, 1, 2
-COLUMNS = ("ADDRESS", "SOURCE", "STATE", "READY", "TIER", "RTT", "CONNS", "SINCE", "ADMIN",
-           "LAST ERROR")
+COLUMNS = ("ADDRESS", "SOURCE", "STATE", "READY", "TIER", "RTT", "CONNS", "SHARE", "SINCE",
+           "ADMIN", "LAST ERROR")
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
@@ -168,6 +168,40 @@ def conns_text(u: Mapping[str, Any]) -> str:
     return f"{_dash(active)}/{_dash(total)}"
 
 
+def share_text(u: Mapping[str, Any]) -> str:
+    """Its part of the live connections, with its fair share (a count) when rebalancing
+    or slow start computes one, and slow start's weight while it ramps:
+    ``25% (fair 2.7) w0.40``; ``-`` from a server without the field."""
+    share = u.get("connection_share")
+    if not isinstance(share, (int, float)) or isinstance(share, bool):
+        return "-"
+    text = f"{share * 100:.0f}%"
+    fair = u.get("fair_share")
+    if isinstance(fair, (int, float)) and not isinstance(fair, bool):
+        text += f" (fair {fair:.1f})"
+    weight = u.get("weight")
+    if isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight < 1:
+        text += f" w{weight:.2f}"
+    return text
+
+
+def rebalance_text(doc: Mapping[str, Any], now: datetime.datetime) -> str | None:
+    """``rebalance: last close 4m12s ago, last round: no skew`` (None when off or absent)."""
+    r = doc.get("rebalance")
+    if not isinstance(r, dict) or not r.get("enabled"):
+        return None
+    acted = r.get("last_acted_at")
+    text = f"rebalance: {r.get('closes', 0)} closes"
+    if parse_time(acted) is not None:
+        text += f", last {age(acted, now)} ago"
+    result = r.get("last_result")
+    if result:
+        detail = r.get("last_detail")
+        text += f", last round: {result}" + (f" ({detail})" if detail and result != "acted"
+                                             else "")
+    return text
+
+
 def _last_error(u: Mapping[str, Any]) -> str:
     error = u.get("last_check_error") or u.get("last_error")
     if not error:
@@ -197,7 +231,7 @@ def row(u: Mapping[str, Any], now: datetime.datetime) -> list[str]:
     if ready is None and u.get("readiness") not in (None, "n/a"):
         ready = u.get("readiness") == "ready"
     return [_dash(u.get("address")), _source(u), state_word(u), _yes_no(ready),
-            _dash(u.get("tier")), _rtt(u.get("rtt_seconds")), conns_text(u),
+            _dash(u.get("tier")), _rtt(u.get("rtt_seconds")), conns_text(u), share_text(u),
             age(u.get("since"), now), _admin(u), _last_error(u)]
 
 
@@ -225,6 +259,9 @@ def summary(doc: Mapping[str, Any], ready: bool,
                                          "DISCONNECTED"))
             if disc.get("last_error"):
                 parts[-1] += f" ({disc['last_error']})"
+    balanced = rebalance_text(doc, now or datetime.datetime.now(datetime.UTC))
+    if balanced:
+        parts.append(balanced)
     for key in ("relay", "version"):
         if doc.get(key):
             parts.append(f"{key} {doc[key]}")

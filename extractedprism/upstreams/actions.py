@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from extractedprism.upstreams.balance import ACTED
+
 if TYPE_CHECKING:
+    from extractedprism.upstreams.rebalancer import Rebalancer
     from extractedprism.upstreams.registry import Registry
 
 
@@ -26,8 +29,9 @@ def _unknown(addr: str) -> tuple[int, str]:
 class AdminActions:
     """The operator's drain, undrain and close of one upstream: (code, message)."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, rebalancer: Rebalancer | None = None) -> None:
         self._registry = registry
+        self._rebalancer = rebalancer  # None: --rebalance-interval 0
 
     def known_addresses(self) -> list[str]:
         return self._registry.known_addresses()
@@ -77,3 +81,15 @@ class AdminActions:
         over = max(0.0, self._registry.drain_timeout)
         return 0, (f"closing {addr}: no new connections; its {out.connections} connection(s) "
                    f"close spread over {over:g}s{left}")
+
+    def rebalance(self, uid: int) -> tuple[int, str]:
+        """One rebalance round now, by the same rules as the timed ones (at most one
+        quiet connection closed); refused (code 1) when rebalancing is off."""
+        if self._rebalancer is None:
+            return 1, ("refused: rebalancing is off (--rebalance-interval 0); the activity "
+                       "a round needs is only tracked while it is on")
+        view = self._rebalancer.run_round(f"admin uid={uid}")
+        if view.last_reason == ACTED:
+            return 0, f"rebalanced: {view.last_detail}"
+        why = view.last_reason + (f" ({view.last_detail})" if view.last_detail else "")
+        return 0, f"no connection closed: {why}"

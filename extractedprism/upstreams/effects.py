@@ -23,6 +23,10 @@ class Closable(Protocol):
     def close(self) -> None: ...
 
 
+class Finishable(Closable, Protocol):
+    def finish(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Change:
     """What the registry tells its one listener (the ticker) after releasing the lock."""
@@ -36,10 +40,13 @@ class Change:
 class Effects:
     """Side effects collected under the lock, run after it is released."""
 
-    __slots__ = ("changes", "close", "logs")
+    __slots__ = ("changes", "close", "finish", "logs")
 
     def __init__(self) -> None:
         self.close: list[Closable] = []
+        # Closed with a FIN both ways and no reset (a rebalance close: the client sees a
+        # clean EOF and reconnects).
+        self.finish: list[Finishable] = []
         self.logs: list[tuple[int, str, tuple[object, ...]]] = []
         self.changes: list[Change] = []
 
@@ -61,6 +68,11 @@ class Effects:
                 conn.close()
             except Exception:  # a close must never take a caller down
                 log.exception("closing connection failed client=%s", conn.client)
+        for done in self.finish:
+            try:
+                done.finish()
+            except Exception:
+                log.exception("closing connection failed client=%s", done.client)
         for level, msg, args in self.logs:
             log.log(level, msg, *args)
         if on_change is not None:

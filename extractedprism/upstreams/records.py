@@ -31,6 +31,23 @@ class Tracked(Protocol):
 
     def close(self) -> None: ...
 
+    def finish(self) -> None: ...
+
+
+class Activity:
+    """When a live connection was attached and when its byte counts last moved, on the
+    registry clock (rebalancing only). The counts are the pipe's live ones, sampled by
+    the rebalancer (:meth:`Registry.sample_activity`), never touched per byte, so
+    ``active`` is the first sample that saw them move: the quiet time it gives errs
+    short, never long, and a busy connection is never taken for a quiet one."""
+
+    __slots__ = ("active", "attached", "seen")
+
+    def __init__(self, now: float, seen: int) -> None:
+        self.attached = now
+        self.active = now
+        self.seen = seen
+
 
 @dataclass
 class Record:
@@ -57,6 +74,16 @@ class Record:
     bytes_up: int = 0  # of finished connections
     bytes_down: int = 0
     sources: tuple[str, ...] = ()  # the providers listing it (roles.Roles)
+    # Rebalancing (--rebalance-interval): id(conn) -> its Activity, and the closes made.
+    activity: dict[int, Activity] = field(default_factory=dict)
+    rebalance_closes: int = 0
+    # Slow start (--slow-start): serving now (pickable, and ready with readyz); has
+    # served since it was added; ramps on its first serve (added to a list that already
+    # served); when its current ramp began (None: full weight).
+    serving: bool = False
+    served: bool = False
+    ramp_new: bool = False
+    ramp_start: float | None = None
 
     def set_role(self, addr: str, demoted: bool, fx: Effects) -> None:
         """Demoted to a fallback (a static endpoint discovery does not list) or back."""
@@ -83,8 +110,8 @@ class Record:
             if conn is not None:  # it may have ended by itself meanwhile
                 fx.close.append(conn)
 
-    def view(self, addr: str, *, readyz: bool, tier: int | None, rtt: float | None
-             ) -> UpstreamView:
+    def view(self, addr: str, *, readyz: bool, tier: int | None, rtt: float | None,
+             weight: float | None = None, fair_share: float | None = None) -> UpstreamView:
         live = self.conns.values()
         return UpstreamView.of(
             addr, self.state, readyz=readyz, tier=tier, rtt=rtt, active=len(self.conns),
@@ -94,7 +121,8 @@ class Record:
             sources=self.sources, state=self.word, since=self.since,
             last_check_at=self.last_check_at, draining_reason=_draining_reason(self),
             close_deadline=_close_deadline(self), admin=self.admin_mark,
-            dials=self.dials.frozen())
+            dials=self.dials.frozen(), weight=weight, fair_share=fair_share,
+            rebalance_closes=self.rebalance_closes)
 
 
 def spread(ids: list[int], now: float, over: float) -> list[tuple[float, int]]:

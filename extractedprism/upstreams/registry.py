@@ -25,6 +25,7 @@ released, so a stalled log handler or a slow close never stalls a pick.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import random
@@ -33,14 +34,28 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from extractedprism.config.endpoints import Endpoint
+from extractedprism.upstreams import balance
 from extractedprism.upstreams import state as sm
 from extractedprism.upstreams.effects import Change, Effects
 from extractedprism.upstreams.latency import LatencyTiers
-from extractedprism.upstreams.records import Record, Tracked, last_success, readiness_moves, started
+from extractedprism.upstreams.records import (
+    Activity,
+    Record,
+    Tracked,
+    last_success,
+    readiness_moves,
+    started,
+)
 from extractedprism.upstreams.reservation import Reservation
 from extractedprism.upstreams.roles import Roles
 from extractedprism.upstreams.selection import Candidate, choose, eligible, pick
-from extractedprism.upstreams.snapshot import AdminMark, AdminOutcome, ConnView, Snapshot
+from extractedprism.upstreams.snapshot import (
+    AdminMark,
+    AdminOutcome,
+    ConnView,
+    RebalanceView,
+    Snapshot,
+)
 from extractedprism.upstreams.state import ProbeResult, Readiness
 
 log = logging.getLogger(__name__)
@@ -62,6 +77,9 @@ class Registry:
         rng: random.Random | None = None,
         on_change: Callable[[Change], None] | None = None,
         wall_clock: Callable[[], float] = time.time,
+        rebalance_interval: float = 0.0,
+        rebalance_quiet: float = 5.0,
+        slow_start: float = 0.0,
     ) -> None:
         self.lock = threading.RLock()
         self._selection = selection
@@ -88,6 +106,15 @@ class Registry:
         self._pool: list[str] = []
         self._pickable = 0  # how many upstreams are pickable, counted with _pool
         self._pool_key: tuple[object, ...] | None = None
+        # Rebalancing (0: off; then no connection's activity is tracked) and its rounds.
+        self._rebalance_interval = rebalance_interval
+        self._rebalance_quiet = rebalance_quiet
+        self._rebalance = (RebalanceView(rebalance_interval, rebalance_quiet)
+                           if rebalance_interval > 0 else None)
+        # Slow start (0: off) and the upstreams ramping now: picks weigh only while it is
+        # non-empty, so with slow start off (or no ramp running) a pick costs what it did.
+        self._slow_start = slow_start
+        self._ramping: set[str] = set()
 
     def _run(self, fx: Effects) -> None:
         fx.run(log, self._on_change)
@@ -112,6 +139,9 @@ class Registry:
                 demoted = addr in fallback
                 if rec is None:
                     rec = self._ups[addr] = Record(endpoint=ep, since=now)
+                    # Slow start: added to a list that already serves, it ramps up; the
+                    # first list (and a start with readyz, ready one by one) does not.
+                    rec.ramp_new = any(r.served for r in self._ups.values())
                     rec.state = sm.listed(rec.state, fallback=demoted)
                     fx.log(logging.INFO, "upstream added upstream=%s%s", addr,
                            " fallback=true" if demoted else "")
@@ -158,9 +188,11 @@ class Registry:
     def _remove_locked(self, addr: str) -> list[Tracked]:
         rec = self._ups.pop(addr)
         self._latency.remove(addr)
+        self._ramping.discard(addr)
         conns = list(rec.conns.values())
         self._conn_count -= len(conns)
         rec.conns.clear()
+        rec.activity.clear()
         return conns
 
     # -- selection ----------------------------------------------------------------
@@ -219,10 +251,49 @@ class Registry:
             self._pickable = sum(1 for c in candidates if sm.pickable(c))
         self._pool_key = key  # also when equal: the next comparison is by identity again
         pool = self._pool
+        if self._ramping and len(pool) > 1:
+            return self._pick_weighted_locked(pool)
         if self._selection == "least-conn" and len(pool) > 1:
             return pick(pool, rng=self._rng,
                         active=[len(ups[a].conns) + ups[a].dialing for a in pool])
         return pick(pool, rng=self._rng)
+
+    def _weight_locked(self, addr: str, now: float) -> float:
+        """Slow start's weight of ``addr`` now; a finished ramp leaves the ramping set."""
+        rec = self._ups[addr]
+        if rec.ramp_start is None:
+            return 1.0
+        weight = balance.ramp_weight(now - rec.ramp_start, self._slow_start)
+        if weight >= 1.0:
+            rec.ramp_start = None
+            self._ramping.discard(addr)
+        return weight
+
+    def _pick_weighted_locked(self, pool: list[str]) -> str | None:
+        now = self._clock()
+        weights = [self._weight_locked(a, now) for a in pool]
+        ups = self._ups
+        active = ([len(ups[a].conns) + ups[a].dialing for a in pool]
+                  if self._selection == "least-conn" else None)
+        return balance.pick_weighted(pool, weights, rng=self._rng, active=active)
+
+    def _update_serving_locked(self, now: float) -> None:
+        """Slow start: an upstream that starts serving (pickable, and ready with readyz)
+        after it served before, or that was added to a serving list, ramps from now."""
+        readyz = self._readyz
+        for addr, rec in self._ups.items():
+            st = rec.state
+            serving = st.pickable and (st.ready or not readyz)
+            if serving == rec.serving:
+                continue
+            rec.serving = serving
+            if serving and (rec.served or rec.ramp_new):
+                rec.ramp_start = now
+                self._ramping.add(addr)
+            elif not serving:
+                rec.ramp_start = None
+                self._ramping.discard(addr)
+            rec.served = rec.served or serving
 
     def any_pickable(self, exclude: Iterable[str] = ()) -> bool:
         skip = frozenset(exclude)
@@ -239,7 +310,10 @@ class Registry:
             return [r.endpoint for r in recs]
 
     def _update_words_locked(self, now: float) -> None:
-        """Recompute each upstream's state word; a change restarts its ``since``."""
+        """Recompute each upstream's state word; a change restarts its ``since``. Every
+        state change ends here, so slow start's serving marks are kept here too."""
+        if self._slow_start > 0:
+            self._update_serving_locked(now)
         for rec in self._ups.values():
             word = sm.state_word(rec.state, closing_unready=rec.unready_deadline is not None)
             if word != rec.word:
@@ -433,6 +507,98 @@ class Registry:
         self._run(fx)
         return min(deadlines) if deadlines else None
 
+    # -- rebalancing (upstreams.rebalancer.Rebalancer runs the rounds) ---------------
+
+    @property
+    def rebalancing(self) -> bool:
+        return self._rebalance is not None
+
+    def sample_activity(self) -> None:
+        """Note which live connections moved bytes since the last sample (their pipes
+        count live; this only reads the counts, so the relay does no extra work)."""
+        with self.lock:
+            self._sample_locked(self._clock())
+
+    def _sample_locked(self, now: float) -> None:
+        for rec in self._ups.values():
+            acts = rec.activity
+            for key, conn in rec.conns.items():
+                act = acts.get(key)
+                if act is None:
+                    continue
+                seen = conn.bytes_up + conn.bytes_down
+                if seen != act.seen:
+                    act.seen, act.active = seen, now
+
+    def _rebalance_blocker_locked(self) -> tuple[str, str] | None:
+        """(reason, upstream) when another mechanism is moving connections right now."""
+        if self._panic:
+            return balance.PANIC, ""
+        for addr, rec in self._ups.items():
+            if rec.state.draining:
+                return balance.DRAINING, addr
+            if rec.unready_deadline is not None:
+                return balance.CLOSING_UNREADY, addr
+            if rec.close_plan:
+                return balance.ADMIN_CLOSE, addr
+        return None
+
+    def _loads_locked(self) -> list[balance.Load]:
+        """The upstreams new connections may go to (pickable; ready ones with readyz; the
+        lowest tier with latency) with their live connections and weights."""
+        pool = eligible(self._candidates_locked(), mode=self._selection, readyz=self._readyz)
+        now = self._clock()
+        return [balance.Load(c.address, len(self._ups[c.address].conns),
+                             self._weight_locked(c.address, now)) for c in pool]
+
+    def rebalance(self, trigger: str = "interval") -> RebalanceView:
+        """One rebalance round (see :mod:`extractedprism.upstreams.balance`): close at
+        most one quiet connection of the most loaded upstream, with a FIN both ways,
+        after the lock is released. Returns the round's outcome; a no-op view when
+        rebalancing is off."""
+        fx = Effects()
+        with self.lock:
+            view = self._rebalance
+            if view is None:
+                return RebalanceView(0.0, self._rebalance_quiet, last_reason="off")
+            now = self._clock()
+            self._sample_locked(now)
+            reason, detail, acted = self._round_locked(now, trigger, fx)
+            view = self._rebalance = dataclasses.replace(
+                view, rounds=view.rounds + 1, closes=view.closes + acted,
+                last_round_at=now, last_reason=reason, last_detail=detail,
+                last_acted_at=now if acted else view.last_acted_at)
+        self._run(fx)
+        return view
+
+    def _round_locked(self, now: float, trigger: str, fx: Effects) -> tuple[str, str, bool]:
+        blocked = self._rebalance_blocker_locked()
+        if blocked is not None:
+            return blocked[0], blocked[1], False
+        loads = self._loads_locked()
+        verdict = balance.judge(loads)
+        if verdict.over is None:
+            return verdict.reason, "", False
+        rec = self._ups[verdict.over]
+        acts = rec.activity
+        victim = balance.choose_quiet(
+            (balance.Quiet(k, now - a.attached, now - a.active) for k, a in acts.items()),
+            quiet=self._rebalance_quiet, min_age=self._rebalance_interval)
+        if victim is None:
+            return balance.NOTHING_QUIET, verdict.over, False
+        conn = rec.conns[victim.key]
+        del acts[victim.key]  # closing: never chosen again while its pipe winds down
+        rec.rebalance_closes += 1
+        counts = ",".join(f"{x.address}={x.connections}" for x in loads)
+        assert verdict.shares is not None and verdict.least is not None
+        fx.finish.append(conn)  # type: ignore[arg-type]
+        fx.log(logging.INFO, "rebalance close upstream=%s connections=%d share=%.1f "
+               "least=%s counts=%s age=%.1fs quiet=%.1fs client=%s trigger=%s",
+               verdict.over, len(rec.conns), verdict.shares[verdict.over], verdict.least,
+               counts, victim.age, victim.quiet, conn.client, trigger)
+        detail = f"closed a connection of {verdict.over} ({counts})"
+        return balance.ACTED, detail, True
+
     # -- connections --------------------------------------------------------------
 
     def attach(self, target: Reservation | str, conn: Tracked) -> bool:
@@ -478,6 +644,9 @@ class Registry:
         if ok:
             assert rec is not None
             rec.conns[id(conn)] = conn
+            if self._rebalance is not None:
+                rec.activity[id(conn)] = Activity(self._clock(),
+                                                  conn.bytes_up + conn.bytes_down)
             rec.total_connections += 1
             self._conn_count += 1
             self._connections_total += 1
@@ -488,6 +657,8 @@ class Registry:
             rec = self._ups.get(addr)
             if rec is None or rec.conns.pop(id(conn), None) is None:
                 return
+            if rec.activity:
+                rec.activity.pop(id(conn), None)
             self._conn_count -= 1
             if rec.close_plan:  # it ended before its admin close came
                 rec.close_plan = [(t, i) for t, i in rec.close_plan if i != id(conn)]
@@ -531,10 +702,15 @@ class Registry:
         with self.lock:
             latency, readyz = self._latency_mode, self._readyz
             now, wall = self._clock(), self._wall()
+            slow = self._slow_start > 0
+            shares = (balance.fair_shares(self._loads_locked())
+                      if slow or self._rebalance is not None else {})
             views = tuple(
                 r.view(addr, readyz=readyz,
                        tier=self._latency.tier(addr) if latency else None,
-                       rtt=self._latency.average(addr) if latency else None)
+                       rtt=self._latency.average(addr) if latency else None,
+                       weight=self._weight_locked(addr, now) if slow else None,
+                       fair_share=shares.get(addr))
                 for addr, r in sorted(self._ups.items())
             )
             conns = tuple(ConnView(c.client, a, c.started, c.bytes_up, c.bytes_down)
@@ -552,6 +728,7 @@ class Registry:
                 turned_away=self._turned_away,
                 taken_mono=now,
                 taken_wall=wall,
+                rebalance=self._rebalance,
             )
 
     def healthy(self) -> bool:

@@ -37,6 +37,20 @@ class AdminOutcome:
 
 
 @dataclass(frozen=True)
+class RebalanceView:
+    """The last rebalance rounds (``--rebalance-interval``), times on the registry clock."""
+
+    interval: float
+    quiet: float
+    rounds: int = 0
+    closes: int = 0
+    last_round_at: float | None = None
+    last_reason: str = ""  # balance.ACTED or why the last round did not act
+    last_detail: str = ""  # which upstream blocked it, or what the close was
+    last_acted_at: float | None = None
+
+
+@dataclass(frozen=True)
 class ConnView:
     client: str
     upstream: str
@@ -77,6 +91,12 @@ class UpstreamView:
     close_deadline: float | None = None  # when its remaining connections are closed
     admin: AdminMark | None = None
     dials: DialCounts = field(default_factory=DialCounts)  # client dial times
+    # Slow start's weight (None: --slow-start 0), the fair share of the live connections
+    # to pickable upstreams by weight (None: not pickable, or rebalancing and slow start
+    # are off), and the connections rebalancing closed.
+    weight: float | None = None
+    fair_share: float | None = None
+    rebalance_closes: int = 0
 
     @property
     def admin_drained(self) -> bool:
@@ -135,6 +155,7 @@ class Snapshot:
     turned_away: int = 0  # clients closed for lack of an upstream (connection_errors "none")
     taken_mono: float = 0.0  # the registry clock when the snapshot was taken
     taken_wall: float = 0.0  # time.time() at the same moment
+    rebalance: RebalanceView | None = None  # None: --rebalance-interval 0
 
     def get(self, address: str) -> UpstreamView | None:
         return next((u for u in self.upstreams if u.address == address), None)

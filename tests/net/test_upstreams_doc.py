@@ -26,7 +26,8 @@ UPSTREAM_KEYS = {
     "address", "source", "state", "since", "healthy", "draining", "draining_reason",
     "close_deadline", "ready", "readiness", "ready_reason", "failures", "last_check_at",
     "last_check_error", "last_error_source", "tier", "rtt_seconds", "active_connections",
-    "total_connections", "bytes_up", "bytes_down", "admin",
+    "total_connections", "bytes_up", "bytes_down", "admin", "connection_share", "fair_share",
+    "weight", "rebalance_closes",
 }
 
 
@@ -61,6 +62,7 @@ def test_top_level_keys_and_a_healthy_upstream(make_app, servers) -> None:
     assert before - 1 <= when(d["started"]) <= time.time() + 1
     assert d["relay"] == app.relay == "native"  # --relay=auto, the extension built
     assert d["discovery"] == {"enabled": False}
+    assert d["rebalance"] == {"enabled": False}
     assert d["panic"] is False and d["connections_active"] == 0
     assert d["max_connections"] == app.config.max_connections
 
@@ -84,6 +86,8 @@ def test_top_level_keys_and_a_healthy_upstream(make_app, servers) -> None:
         assert u["active_connections"] == 1 and u["total_connections"] == 1
         assert u["bytes_up"] == 6
         assert u["admin"] is None
+        assert u["connection_share"] == 1.0 and u["rebalance_closes"] == 0
+        assert u["fair_share"] is None and u["weight"] is None  # both features off
     wait_until(lambda: entry(app, addr)["active_connections"] == 0, 5)
     u = entry(app, addr)
     assert (u["bytes_up"], u["bytes_down"]) == (6, len(name) + 1 + 6)  # kept after close

@@ -32,9 +32,9 @@ def test_full_document_from_the_extended_upstreams():
     assert lines[0].split()[:3] == ["ADDRESS", "SOURCE", "STATE"]
     one = lines[1].split()
     assert one == ["10.0.0.1:6443", "static,kubernetes", "healthy", "yes", "0",
-                   "1.2ms", "3/40", "4m04s", "-", "-"]
-    assert lines[2].split()[:9] == ["10.0.0.2:6443", "kubernetes", "admin-drain", "no",
-                                    "-", "-", "0/2", "2h30m", "drain(uid=0)"]
+                   "1.2ms", "3/40", "-", "4m04s", "-", "-"]
+    assert lines[2].split()[:10] == ["10.0.0.2:6443", "kubernetes", "admin-drain", "no",
+                                     "-", "-", "0/2", "-", "2h30m", "drain(uid=0)"]
     assert lines[2].endswith("connection refused (dial)")
     assert lines[3] == ("ready: 1/2 upstreams healthy, 1/2 ready, 3 connections (max 4096), "
                         "discovery connected, relay native, version 1.2.3, up 30m00s")
@@ -47,8 +47,9 @@ def test_todays_document_and_missing_fields():
         {"address": "b:1"},
     ], "panic": True}
     lines = render(doc, False, NOW).splitlines()
-    assert lines[1].split() == ["a:1", "-", "draining", "-", "-", "-", "1/5", "-", "-", "-"]
-    assert lines[2].split() == ["b:1", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
+    assert lines[1].split() == ["a:1", "-", "draining", "-", "-", "-", "1/5", "-", "-", "-",
+                                "-"]
+    assert lines[2].split() == ["b:1", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
     assert lines[3].startswith("NOT READY: 0/2 upstreams healthy")
     assert "PANIC" in lines[3]
 
@@ -58,3 +59,28 @@ def test_no_upstreams_and_a_bad_time():
     assert "(no upstreams)" in text
     assert age("yesterday", NOW) == "-" and age(None, NOW) == "-"
     assert age("2026-12-01T18:29:58Z", NOW) == "2s"
+
+
+def test_share_weight_and_the_rebalance_line():
+    doc = {
+        "connections_active": 8,
+        "rebalance": {"enabled": True, "closes": 3, "last_acted_at": "2026-12-01T18:26:00Z",
+                      "last_result": "an upstream is draining",
+                      "last_detail": "10.0.0.2:6443"},
+        "upstreams": [
+            {"address": "a:1", "state": "healthy", "connection_share": 0.75,
+             "fair_share": 4.0, "weight": 1.0},
+            {"address": "b:1", "state": "healthy", "connection_share": 0.25,
+             "fair_share": 2.667, "weight": 0.4},
+            {"address": "c:1", "state": "healthy", "connection_share": 0.0,
+             "fair_share": None, "weight": None},
+        ],
+    }
+    lines = render(doc, True, NOW).splitlines()
+    assert "75% (fair 4.0)" in lines[1] and " w" not in lines[1]
+    assert "25% (fair 2.7) w0.40" in lines[2]
+    assert lines[3].split()[7] == "0%"
+    assert ("rebalance: 3 closes, last 4m00s ago, last round: an upstream is draining "
+            "(10.0.0.2:6443)") in lines[4]
+    off = render({"rebalance": {"enabled": False}, "upstreams": []}, True, NOW)
+    assert "rebalance" not in off

@@ -216,6 +216,9 @@ liveness-threshold: livenessThreshold
 drain-timeout: drainTimeout
 unready-drain-timeout: unreadyDrainTimeout
 upstream-selection: upstreamSelection
+rebalance-interval: rebalanceInterval
+rebalance-quiet: rebalanceQuiet
+slow-start: slowStart
 health-check: healthCheck
 health-check-ca-file: healthCheckCaFile
 health-check-cert-file: healthCheckCertFile
