@@ -346,6 +346,28 @@ class Watcher:
         return max(b - a for a, b in itertools.pairwise(times))
 
 
+def sigterm_and_wait(cp: Any, api: str, timeout: float = 90.0) -> float:
+    """SIGTERM ``api`` (a graceful stop) and wait for it to exit; the seconds it took."""
+    t = mono()
+    cp.term(api)
+    assert cp.wait_exit(api, timeout), f"{api} did not exit within {timeout:g}s of SIGTERM"
+    return mono() - t
+
+
+def events_lost(writer: Writer, watchers: list[Watcher], timeout: float = 60.0
+                ) -> dict[str, list[int]]:
+    """Once every watch has received the writer's last successful write (failing the
+    test after ``timeout``): per watch, the successful writes it never received (the
+    first 10; a watch that lost none is left out)."""
+    from tests.util import wait_until
+
+    final = max((s for _, s, _ in writer.written), default=0)
+    wait_until(lambda: all(final in w.seqs() for w in watchers), timeout,
+               message="every watch caught up with the last write")
+    written = {s for _, s, _ in writer.written}
+    return {w.name: sorted(written - w.seqs())[:10] for w in watchers if written - w.seqs()}
+
+
 # --- proxy observation ---------------------------------------------------------------
 
 

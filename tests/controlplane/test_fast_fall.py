@@ -21,17 +21,19 @@ from typing import Any
 import pytest
 
 from tests.controlplane import harness
-from tests.controlplane.conftest import SLACK, record, wait_all_ready, why_not
+from tests.controlplane.conftest import (
+    MARKS,
+    SLACK,
+    record,
+    require_control_plane,
+    wait_all_ready,
+)
 from tests.controlplane.harness import Load, Sampler, Writer, mono
 from tests.controlplane.test_scenarios import excluded, r, ready, start_watchers, stop_all
 from tests.util import ROOT, wait_until
 
-_WHY = why_not()
-if _WHY:
-    pytest.skip(f"control-plane tests: {_WHY}", allow_module_level=True)
-
-pytestmark = [pytest.mark.controlplane,
-              pytest.mark.fd_leak_ok("urllib3 sockets of requests broken by the fault")]
+require_control_plane()
+pytestmark = MARKS
 
 # The values docs/deploy.md recommends ("Failure detection"), as flags. One place: the
 # docs test below checks deploy.md shows exactly these.
@@ -97,8 +99,7 @@ def test_fast_fall_excludes_a_shutting_down_apiserver_within_interval_plus_reche
     delay = 25  # --shutdown-delay-duration: /readyz fails, the apiserver keeps serving
     target = "api3"
     addr = cluster.endpoint(target)
-    cluster.term(target)
-    assert cluster.wait_exit(target, 90)
+    harness.sigterm_and_wait(cluster, target)
     cluster.start(target, [f"--shutdown-delay-duration={delay}s"])
     cluster.wait_ready([target], timeout=90)
     values = {"health-interval": f"{interval:g}s", "health-timeout": f"{timeout:g}s",
@@ -199,12 +200,8 @@ def _watch_resume(cluster: Any, proxies: Any, namespace: str, values: dict[str, 
         writer.stop()
         stats = load.stop()
         sampler.stop()
-    final = max((s for _, s, _ in writer.written), default=0)
-    wait_until(lambda: all(final in w.seqs() for w, _ in watchers), 60,
-               message="every watch caught up with the last write")
+    lost = harness.events_lost(writer, [w for w, _ in watchers])
     stop_all(*(w for w, _ in watchers))
-    written = {s for _, s, _ in writer.written}
-    lost = {w.name: sorted(written - w.seqs())[:10] for w, _ in watchers if written - w.seqs()}
     stuck = {w.name: r(w.max_gap(t_fault, t_end)) for w in ours}
     s_ex = sampler.first(lambda s: excluded(s, target_addr), t_fault)
     s_closed = sampler.first(

@@ -125,14 +125,6 @@ def test_a_failed_dial_brings_the_confirming_check_forward(rigs, recheck):
 INTERVAL, TIMEOUT = 1.5, 0.25
 
 
-@pytest.fixture
-def ups(ca):  # type: ignore[no-untyped-def]
-    made = [FakeUpstream(ca=ca, name=f"up{i}").start() for i in range(3)]
-    yield made
-    for u in made:
-        u.stop()
-
-
 def start(make_app, ups, ca, tmp_path, **flags):  # type: ignore[no-untyped-def]
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
