@@ -35,11 +35,12 @@ class Tracked(Protocol):
 
 
 class Activity:
-    """When a live connection was attached and when its byte counts last moved, on the
+    """When a live connection was first seen and when its byte counts last moved, on the
     registry clock (rebalancing only). The counts are the pipe's live ones, sampled by
     the rebalancer (:meth:`Registry.sample_activity`), never touched per byte, so
-    ``active`` is the first sample that saw them move: the quiet time it gives errs
-    short, never long, and a busy connection is never taken for a quiet one."""
+    ``attached`` is the first sample that saw the connection and ``active`` the first
+    that saw its counts move: its age and quiet time err short by at most one sample
+    period, never long, and a busy connection is never taken for a quiet one."""
 
     __slots__ = ("active", "attached", "seen")
 

@@ -9,6 +9,9 @@ Every thread reads and changes upstream state only through this object:
 * the ticker calls :meth:`tick` to expire drain and readiness deadlines;
 * the operator actions (:class:`~extractedprism.upstreams.actions.AdminActions`, for the
   admin socket) call :meth:`set_admin` and :meth:`known_addresses`;
+* the ``rebalancer`` thread (:mod:`extractedprism.upstreams.rebalancer`, only with
+  --rebalance-interval) calls :meth:`sample_activity` and :meth:`rebalance`, whose rule is
+  :mod:`extractedprism.upstreams.balance` (pure), as is slow start's weight ramp;
 * the health server and the metrics collector read :meth:`snapshot`.
 
 The rules of one upstream's state live in :mod:`extractedprism.upstreams.state` (pure),
@@ -17,8 +20,9 @@ of the operator actions in :mod:`extractedprism.upstreams.actions`; this module 
 needs the lock: the address -> record dict, live connections, the counters, the drain
 and readiness deadlines and the panic flag. Fields guarded by
 ``self.lock``: ``_ups`` (and everything in each record), ``_panic``, ``_conn_count``,
-``_connections_total``, ``_closing``. Methods never do I/O, logging or callbacks while
-holding it: sockets to close, log lines and change notices are collected in an
+``_connections_total``, ``_closing``, ``_rebalance`` (the rounds' record), ``_ramping``.
+Methods never do I/O, logging or callbacks while holding it: sockets to close, log lines
+and change notices are collected in an
 :class:`~extractedprism.upstreams.effects.Effects` under the lock and carried out after it is
 released, so a stalled log handler or a slow close never stalls a pick.
 """
@@ -181,8 +185,11 @@ class Registry:
                     continue
                 rec.set_role(addr, addr in roles.fallback, fx)
                 rec.sources = tuple(roles.sources.get(addr, rec.sources))
-            self._update_readiness_deadlines_locked(self._clock(), fx)
+            now = self._clock()
+            self._update_readiness_deadlines_locked(now, fx)
             self._update_panic_locked(fx)
+            if self._slow_start > 0:  # a fallback listed again serves again: it ramps
+                self._update_serving_locked(now)
         self._run(fx)
 
     def _remove_locked(self, addr: str) -> list[Tracked]:
@@ -520,14 +527,17 @@ class Registry:
             self._sample_locked(self._clock())
 
     def _sample_locked(self, now: float) -> None:
+        # A connection's Activity starts at the first sample that sees it, not in attach:
+        # a new connection's pick costs nothing more with rebalancing on, and its age and
+        # quiet time err short by at most one sample period (never long).
         for rec in self._ups.values():
             acts = rec.activity
             for key, conn in rec.conns.items():
+                seen = conn.bytes_up + conn.bytes_down
                 act = acts.get(key)
                 if act is None:
-                    continue
-                seen = conn.bytes_up + conn.bytes_down
-                if seen != act.seen:
+                    acts[key] = Activity(now, seen)
+                elif seen != act.seen:
                     act.seen, act.active = seen, now
 
     def _rebalance_blocker_locked(self) -> tuple[str, str] | None:
@@ -644,9 +654,6 @@ class Registry:
         if ok:
             assert rec is not None
             rec.conns[id(conn)] = conn
-            if self._rebalance is not None:
-                rec.activity[id(conn)] = Activity(self._clock(),
-                                                  conn.bytes_up + conn.bytes_down)
             rec.total_connections += 1
             self._conn_count += 1
             self._connections_total += 1

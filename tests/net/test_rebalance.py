@@ -6,6 +6,7 @@ connection is closable once QUIET without a byte and one INTERVAL old."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import select
@@ -114,7 +115,8 @@ def skewed(make_app, servers, **flags):  # type: ignore[no-untyped-def]
 
 
 def test_rounds_close_one_quiet_connection_per_interval_until_balanced(make_app, servers,
-                                                                      fleet):
+                                                                      fleet, caplog):
+    caplog.set_level(logging.INFO, logger="extractedprism.upstreams.registry")
     app, ups = skewed(make_app, servers, rebalance_interval=INTERVAL, rebalance_quiet=QUIET)
     clients = fleet(app)
     clients.open(9)
@@ -127,8 +129,12 @@ def test_rounds_close_one_quiet_connection_per_interval_until_balanced(make_app,
         assert time.monotonic() < deadline, f"not balanced: {clients.counts()}"
         clients.pump(0.1)
     assert len(clients.closes) == 3
-    gaps = [b[0] - a[0] for a, b in zip(clients.closes, clients.closes[1:], strict=False)]
-    assert min(gaps) >= 0.9 * INTERVAL - 0.1, gaps  # one close per round at most
+    # When each close was made (its log line, written as the round ends; the clients'
+    # side may notice late on a busy machine): one per round at most.
+    made = [r.created for r in caplog.records if r.getMessage().startswith("rebalance close")]
+    assert len(made) == 3
+    gaps = [b - a for a, b in itertools.pairwise(made)]
+    assert min(gaps) >= 0.9 * INTERVAL - 0.05, gaps
     # Balanced: the rounds go on and close nothing more.
     clients.pump(3 * INTERVAL * 1.1)
     assert len(clients.closes) == 3
@@ -171,26 +177,26 @@ def test_the_close_is_a_fin_both_ways(make_app, servers, relay):
 
 
 def test_a_busy_connection_is_never_closed(make_app, servers):
-    app, ups = skewed(make_app, servers, rebalance_interval=INTERVAL,
-                      rebalance_quiet=QUIET)
+    quiet = 1.0  # long beside the traffic's pace, so a stalled test thread is no false quiet
+    app, ups = skewed(make_app, servers, rebalance_interval=INTERVAL, rebalance_quiet=quiet)
     socks = [connect(app) for _ in range(4)]  # 2 on up0, 2 on up1
     try:
         for s in socks:
             read_line(s)
         app.registry.set_admin(ups[2].address, "", 0)
-        # Every connection moves a byte well within QUIET, for four rounds.
+        # Every connection moves a byte well within the quiet time, for four rounds.
         end = time.monotonic() + 4 * INTERVAL * 1.1
         while time.monotonic() < end:
             for s in socks:
                 s.sendall(b"x\n")
                 assert read_line(s) == "x", "a busy connection was closed"
-            time.sleep(QUIET / 6)  # pacing the traffic, not waiting for a result
+            time.sleep(0.05)  # pacing the traffic, not waiting for a result
         snap = app.registry.snapshot()
         assert snap.rebalance.closes == 0
         assert snap.rebalance.rounds >= 2
         assert snap.rebalance.last_reason == balance.NOTHING_QUIET
         # Quiet from now on: one of them goes within a few rounds.
-        readable, _, _ = select.select(socks, [], [], 4 * INTERVAL * 1.1 + QUIET + 2)
+        readable, _, _ = select.select(socks, [], [], 4 * INTERVAL * 1.1 + quiet + 2)
         assert len(readable) == 1 and readable[0].recv(1) == b""
     finally:
         for s in socks:

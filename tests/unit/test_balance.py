@@ -9,9 +9,11 @@ from collections import Counter
 import pytest
 
 from extractedprism.config.endpoints import Endpoint
+from extractedprism.config.table import ConfigError, validate
 from extractedprism.upstreams import balance
 from extractedprism.upstreams.balance import Load, Quiet
 from extractedprism.upstreams.registry import Registry
+from extractedprism.upstreams.roles import Roles
 from extractedprism.upstreams.state import ProbeResult
 from tests.unit.test_registry import Clock
 from tests.unit.test_registry import Conn as RegistryConn
@@ -128,6 +130,7 @@ def attach(reg: Registry, addr: str, n: int) -> list[Conn]:
     conns = [Conn(f"{addr}#{i}") for i in range(n)]
     for c in conns:
         assert reg.attach(addr, c)
+    reg.sample_activity()  # the rebalancer thread's sampling sees them from now
     return conns
 
 
@@ -268,3 +271,39 @@ def test_rebalancing_shares_by_weight():
     assert snap.get(C).fair_share == pytest.approx(10 * 0.28 / 2.28)
     clock.now += 60  # weight 0.82: share 2.9; 5 > 1.25 * 3.55 = 4.4
     assert reg.rebalance().last_reason == balance.ACTED
+
+
+def test_slow_start_ramps_a_fallback_listed_again():
+    reg, clock = make(interval=0.0, slow=100.0)
+    reg.set_roles(Roles(fallback=frozenset({C})))  # a static endpoint discovery lacks
+    assert not reg.snapshot().get(C).pickable
+    clock.now += 10
+    reg.set_roles(Roles())  # listed by discovery again: it serves again, from 0.1
+    assert reg.snapshot().get(C).weight == pytest.approx(0.1)
+
+
+def test_slow_start_with_latency_weighs_inside_the_tier():
+    reg, _clock = make(interval=0.0, slow=100.0, selection="latency")
+    for addr in (A, B, C):
+        reg.record_probe(addr, OK)  # one tier: every connect took 1 ms
+    reg.set_admin(C, "drain", 0)
+    reg.set_admin(C, "", 0)  # back: 0.1 of A's or B's weight inside the tier
+    picks = Counter(str(reg.reserve().endpoint) for _ in range(6000))
+    assert picks[C] / 6000 == pytest.approx(0.1 / 2.1, abs=0.015)
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("rebalance_interval", "50ms", "--rebalance-interval (50ms) must be 0 (off) or at least "
+     "100ms"),
+    ("rebalance_quiet", "-1s", "--rebalance-quiet (-1s) must not be negative"),
+    ("slow_start", "soon", "--slow-start (soon) is invalid"),
+])
+def test_bad_values_are_named(flag, value, message):
+    with pytest.raises(ConfigError) as err:
+        validate({"endpoints": "10.0.0.1:6443", flag: value})
+    assert any(p.startswith(message) for p in err.value.problems), err.value.problems
+
+
+def test_the_defaults_are_off():
+    cfg = validate({"endpoints": "10.0.0.1:6443"})
+    assert (cfg.rebalance_interval, cfg.rebalance_quiet, cfg.slow_start) == (0.0, 5.0, 0.0)
