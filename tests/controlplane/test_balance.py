@@ -299,17 +299,24 @@ def test_scale_out_third_apiserver_ramps_up_and_reaches_its_share(cluster, fleet
         census = Census(cluster, fleet.pids())
         before = counts_of(census.take(), "scale")
         cluster.start(new)
-        cluster.wait_ready([new], timeout=90)
-        # When each proxy made it pickable (polled tightly: the ramp starts there).
+        # Poll every proxy from the start: the ramp began after the last answer that did
+        # not show it ready was asked for (``not_before``), a sound bound on its weight
+        # whatever the polling's own delay on a loaded machine.
         seen: dict[int, float] = {}
+        not_before: dict[int, float] = {}
 
         def all_pickable() -> bool:
             for i, p in enumerate(fleet.proxies):
-                if i not in seen and upstream_ready(new_addr)(p.upstreams()):
+                if i in seen:
+                    continue
+                t_ask = mono()
+                if upstream_ready(new_addr)(p.upstreams()):
                     seen[i] = mono()
+                else:
+                    not_before[i] = t_ask
             return len(seen) == len(fleet.proxies)
 
-        wait_until(all_pickable, 2 * INTERVAL + TIMEOUT + SLACK + 5, interval=0.05,
+        wait_until(all_pickable, 90 + 2 * INTERVAL + TIMEOUT + SLACK, interval=0.05,
                    message=f"every proxy sees {new_addr} ready")
         t_ready = max(seen.values())
         # A burst of new connections, early in the slow-start window, on each proxy.
@@ -320,8 +327,9 @@ def test_scale_out_third_apiserver_ramps_up_and_reaches_its_share(cluster, fleet
             for _ in range(burst):
                 held.append(tls_hold(p.port, cluster.ca))
             t_end = mono()
-            act1 = {a: u["active_connections"] for a, u in p.upstreams().items()}
-            w = weight(t_end - seen[i] + harness.POLL)
+            ups1 = p.upstreams()
+            act1 = {a: u["active_connections"] for a, u in ups1.items()}
+            w = weight(t_end - not_before[i])  # at least its weight at any pick
             total = sum(act1.values())
             # Least-conn by weight picks it only while its connections / weight are the
             # fewest, so after its last pick c3 - 1 <= w * c_other: c3 <= w * max + 1
@@ -330,7 +338,8 @@ def test_scale_out_third_apiserver_ramps_up_and_reaches_its_share(cluster, fleet
             others = max(n for a, n in act1.items() if a != new_addr)
             share_bound = w * others + 1
             bursts.append({"proxy": i, "t_into_window_s": r(t_end - seen[i]),
-                           "weight_at_end": round(w, 2),
+                           "weight_bound": round(w, 2),
+                           "weight_reported": ups1[new_addr].get("weight"),
                            "new_on_api3": act1.get(new_addr, 0) - act0.get(new_addr, 0),
                            "api3_after": act1.get(new_addr, 0), "total_after": total,
                            "api3_bound": round(share_bound, 2)})
@@ -361,4 +370,7 @@ def test_scale_out_third_apiserver_ramps_up_and_reaches_its_share(cluster, fleet
     for b in bursts:
         assert b["api3_after"] <= b["api3_bound"], (
             f"api3 got more than its ramped share of the burst: {b}")
+        # The proxy's own weight agrees with the ramp the flag sets.
+        assert b["weight_reported"] is not None and b["weight_reported"] <= (
+            b["weight_bound"] + 0.01), b
     assert even_after is not None, f"skew {skew_end} ({c_end}) > {SKEW_MAX} after {BOUND:.1f}s"
