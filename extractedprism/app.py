@@ -81,6 +81,7 @@ class App:
             selection=config.upstream_selection,
             readyz=config.health_check == "readyz",
             drain_timeout=config.drain_timeout,
+            unready_drain_timeout=config.unready_drain_timeout,
             max_connections=config.max_connections,
             rng=rng,
             on_change=self._registry_changed,
@@ -102,7 +103,8 @@ class App:
                 token_file=config.health_check_token_file,
             )
         self.ticker = Ticker(self.registry, interval=config.health_interval,
-                             timeout=config.health_timeout, readyz=readyz,
+                             timeout=config.health_timeout, recheck=config.health_recheck,
+                             readyz=readyz,
                              stop=self.stop_event, prober=prober,
                              max_wait=min(config.liveness_interval, config.health_interval))
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,

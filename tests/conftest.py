@@ -121,6 +121,10 @@ def fast_config(endpoints: list[Endpoint] | tuple[Endpoint, ...], **overrides: o
         drain_timeout=1.0,
     )
     base.update(overrides)
+    # Flags whose unset value is another flag's (same_as rows) follow it here as validate()
+    # would; Config's own field default is the source flag's *default*.
+    base.setdefault("health_recheck", base["health_interval"])
+    base.setdefault("unready_drain_timeout", base["drain_timeout"])
     return Config(**base)  # type: ignore[arg-type]
 
 

@@ -1,7 +1,11 @@
 """Ticker: the health-check schedule and the registry's deadlines, on the ``ticker`` thread.
 
 Each known, non-draining upstream is probed every --health-interval; a new upstream is
-probed at once. Probes run on their own short-lived ``probe-<upstream>`` threads, so a
+probed at once. After a check that leaves an upstream one failure short of exclusion (the
+registry says so), the confirming check starts --health-recheck after the failed one
+started instead (HAProxy's ``fastinter``; the default, equal to the interval, is the
+spec's timing), or as soon as the failed one ends if that took longer. Probes run on
+their own short-lived ``probe-<upstream>`` threads, so a
 slow or silent upstream delays nobody else's check by more than its own timeout, and
 the ticker itself never blocks on a socket. Drain and readiness deadlines are expired
 by :meth:`Registry.tick`, so the ticker wakes at whichever comes first: the next due
@@ -28,10 +32,12 @@ log = logging.getLogger(__name__)
 class Ticker:
     def __init__(self, registry: Registry, *, interval: float, timeout: float,
                  readyz: ReadyzSettings | None, stop: threading.Event,
+                 recheck: float | None = None,
                  max_wait: float = 5.0, clock: Callable[[], float] = time.monotonic,
                  prober: Prober = probe) -> None:
         self._registry = registry
         self._interval = interval
+        self._recheck = interval if recheck is None else min(recheck, interval)
         self._timeout = timeout
         self._readyz = readyz
         self._stop = stop
@@ -56,9 +62,12 @@ class Ticker:
         self._wake.set()
 
     def registry_changed(self, change: Change) -> None:
-        """The registry's change listener: new upstreams, a health flip, a probe due now."""
+        """The registry's change listener: new upstreams, a health flip, a probe due now
+        or a failed dial to confirm after --health-recheck."""
         if change.what == "probe-now":
             self.probe_now(change.address)
+        elif change.what == "recheck":
+            self._recheck_soon(change.address)
         else:
             self.wake()
 
@@ -66,6 +75,15 @@ class Ticker:
         """Schedule an immediate probe of ``address`` (readiness reset after a dial)."""
         with self._lock:
             self._next[address] = 0.0
+        self._wake.set()
+
+    def _recheck_soon(self, address: str) -> None:
+        """A failed dial left ``address`` one failure short of exclusion: its next check
+        comes --health-recheck from now, unless one is due sooner (with the default
+        recheck, equal to the interval, the scheduled one always is)."""
+        with self._lock:
+            if address in self._next:
+                self._next[address] = min(self._next[address], self._clock() + self._recheck)
         self._wake.set()
 
     def join(self, timeout: float) -> bool:
@@ -102,23 +120,27 @@ class Ticker:
                     due.append(ep)
                     self._next[addr] = now + self._interval
             for ep in due:
-                t = threading.Thread(name=f"probe-{ep}", target=self._probe_one, args=(ep,),
-                                     daemon=True)
+                t = threading.Thread(name=f"probe-{ep}", target=self._probe_one,
+                                     args=(ep, now), daemon=True)
                 self._in_flight[str(ep)] = t
             pending = [at for a, at in self._next.items() if a not in self._in_flight]
         for ep in due:
             self._in_flight[str(ep)].start()
         return min(pending) if pending else None
 
-    def _probe_one(self, ep: Endpoint) -> None:
+    def _probe_one(self, ep: Endpoint, started: float) -> None:
         addr = str(ep)
+        confirm = False
         try:
             result = self._prober(ep, self._timeout, self._readyz)
             if not self._stop.is_set():
-                self._registry.record_probe(addr, result)
+                confirm = self._registry.record_probe(addr, result)
         except Exception:
             log.exception("probe crashed upstream=%s", addr)
         finally:
             with self._lock:
                 self._in_flight.pop(addr, None)
+                if confirm and addr in self._next:
+                    # min(): a probe_now() meanwhile stays sooner.
+                    self._next[addr] = min(self._next[addr], started + self._recheck)
             self._wake.set()

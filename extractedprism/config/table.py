@@ -105,6 +105,17 @@ FLAGS: tuple[Flag, ...] = (
          checks=(AT_LEAST_1S,)),
     Flag("health-timeout", "duration", "15s", "Timeout for each upstream health check",
          checks=(AT_LEAST_1S,)),
+    Flag(
+        "health-recheck",
+        "duration",
+        None,
+        "Delay of the check that confirms a first failure: after one failed check (or "
+        "failed client dial) of a healthy (or, with readyz, ready) upstream, the next check "
+        "runs this long after the failed one started instead of a whole --health-interval; "
+        "two failures in a row still exclude (default: same as --health-interval)",
+        checks=(AT_LEAST_1S,),
+        same_as="health-interval",
+    ),
     Flag("enable-discovery", "bool", "true", "Enable Kubernetes EndpointSlice discovery"),
     Flag("log-level", "choice", "info", "Log level", LOG_LEVELS),
     Flag("liveness-interval", "duration", "5s", "Heartbeat probe interval for liveness detection",
@@ -123,6 +134,17 @@ FLAGS: tuple[Flag, ...] = (
         "Grace period for connections to removed endpoints, and with readyz to unready ones "
         "while another upstream is ready, before force close (0 closes immediately)",
         checks=(NOT_NEGATIVE,),
+    ),
+    Flag(
+        "unready-drain-timeout",
+        "duration",
+        None,
+        "With readyz, grace period for the connections of an unready (or unhealthy) "
+        "upstream while another upstream is ready, before they are closed (0 closes "
+        "immediately); removed endpoints keep --drain-timeout (default: same as "
+        "--drain-timeout)",
+        checks=(NOT_NEGATIVE,),
+        same_as="drain-timeout",
     ),
     Flag(
         "upstream-selection",
@@ -307,6 +329,12 @@ def _timeout_below_interval(v: Mapping[str, Any], show: Callable[[str], str]) ->
     return f"{show('health_timeout')} must be less than {show('health_interval')}"
 
 
+def _recheck_within_interval(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    if v["health_recheck"] <= v["health_interval"]:
+        return None
+    return f"{show('health_recheck')} must not be more than {show('health_interval')}"
+
+
 def _threshold_above_interval(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
     if v["liveness_threshold"] > v["liveness_interval"]:
         return None
@@ -335,6 +363,8 @@ RULES: tuple[Rule, ...] = (
          _ports_differ),
     Rule(("health_timeout", "health_interval"),
          "--health-timeout must be less than --health-interval", _timeout_below_interval),
+    Rule(("health_recheck", "health_interval"),
+         "--health-recheck must not be more than --health-interval", _recheck_within_interval),
     Rule(("liveness_threshold", "liveness_interval"),
          "--liveness-threshold must be greater than --liveness-interval",
          _threshold_above_interval),

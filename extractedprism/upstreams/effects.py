@@ -31,7 +31,9 @@ class Finishable(Closable, Protocol):
 class Change:
     """What the registry tells its one listener (the ticker) after releasing the lock."""
 
-    what: str  # "endpoints" (list changed) | "health" (a dial flipped it) | "probe-now"
+    # "endpoints" (list changed) | "health" (a dial flipped it) | "probe-now" |
+    # "recheck" (a failed dial left it one failure short of exclusion: confirm soon)
+    what: str
     address: str = ""
 
 

@@ -162,14 +162,15 @@ def _close_deadline(rec: Record) -> float | None:
     return min(times) if times else None
 
 
-def readiness_moves(records: dict[str, Record], now: float, drain_timeout: float,
+def readiness_moves(records: dict[str, Record], now: float, unready_drain_timeout: float,
                     fx: Effects) -> None:
     """Readiness moves existing connections (spec): start, expire or call off each
-    unready upstream's close deadline, collecting the closes and log lines in ``fx``."""
+    unready upstream's close deadline (``unready_drain_timeout`` after it turned
+    unready), collecting the closes and log lines in ``fx``."""
     ready = {a for a, r in records.items() if r.state.pickable and r.state.ready}
     for addr, rec in records.items():
         rec.unready_deadline, close, what = sm.unready_close(
-            rec.state, bool(ready - {addr}), rec.unready_deadline, now, drain_timeout)
+            rec.state, bool(ready - {addr}), rec.unready_deadline, now, unready_drain_timeout)
         if close:
             conns = list(rec.conns.values())
             if conns:
@@ -179,7 +180,7 @@ def readiness_moves(records: dict[str, Record], now: float, drain_timeout: float
         elif what == "scheduled" and rec.conns:
             fx.log(logging.INFO, "upstream unready; closing its connections after drain "
                    "timeout upstream=%s connections=%d drain_timeout=%gs", addr,
-                   len(rec.conns), drain_timeout)
+                   len(rec.conns), unready_drain_timeout)
         elif what and what != "scheduled":
             fx.log(logging.INFO, "upstream connection close called off upstream=%s "
                    "reason=%r", addr, what)

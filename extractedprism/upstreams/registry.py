@@ -2,7 +2,8 @@
 
 Every thread reads and changes upstream state only through this object:
 
-* the ticker's probe threads call :meth:`record_probe`;
+* the ticker's probe threads call :meth:`record_probe` (which says whether the next
+  check should come after --health-recheck);
 * pipe threads call :meth:`reserve`, :meth:`record_dial`, :meth:`attach`, :meth:`detach`;
 * discovery calls :meth:`set_endpoints`;
 * the ticker calls :meth:`tick` to expire drain and readiness deadlines;
@@ -74,6 +75,7 @@ class Registry:
         selection: str = "random",
         readyz: bool = False,
         drain_timeout: float = 30.0,
+        unready_drain_timeout: float | None = None,
         max_connections: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
@@ -88,6 +90,9 @@ class Registry:
         self._latency_mode = selection == "latency"
         self._readyz = readyz
         self._drain_timeout = drain_timeout
+        # None: the same as --drain-timeout (the spec gives both cases one grace period).
+        self._unready_drain_timeout = (drain_timeout if unready_drain_timeout is None
+                                       else unready_drain_timeout)
         self._max_connections = max_connections
         self._clock = clock
         self._wall = wall_clock
@@ -405,13 +410,17 @@ class Registry:
 
     # -- health -------------------------------------------------------------------
 
-    def record_probe(self, addr: str, result: ProbeResult) -> None:
-        """Feed one health check (TCP, and readyz when enabled) into the state machine."""
+    def record_probe(self, addr: str, result: ProbeResult) -> bool:
+        """Feed one health check (TCP, and readyz when enabled) into the state machine.
+
+        True when the upstream now awaits the check that confirms a first failure
+        (:func:`~extractedprism.upstreams.state.awaits_confirmation`): the ticker runs it
+        after --health-recheck."""
         fx = Effects()
         with self.lock:
             rec = self._ups.get(addr)
             if rec is None or rec.state.lifecycle not in sm.TAKES_CHECKS:
-                return  # checks stop while an upstream drains; removed ones are gone
+                return False  # checks stop while an upstream drains; removed ones are gone
             now = self._clock()
             rec.last_check_at = now
             if result.ok:
@@ -419,12 +428,14 @@ class Registry:
                 if self._latency_mode and result.rtt is not None:
                     self._latency.observe(addr, result.rtt)
             rec.state, transitions = sm.on_probe(rec.state, result, readyz=self._readyz)
+            confirm = sm.awaits_confirmation(rec.state)
             fx.transitions(addr, transitions)
             self._update_readiness_deadlines_locked(now, fx)
             self._update_panic_locked(fx)
             self._update_words_locked(now)
         # No change notice: the probe thread wakes the ticker when it finishes.
         self._run(fx)
+        return confirm
 
     def record_dial(self, addr: str, ok: bool, reason: str = "", *, count_error: bool = True,
                     duration: float | None = None) -> None:
@@ -453,6 +464,8 @@ class Registry:
         state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)
         if state is rec.state:
             return None  # the common case: nothing to change, nobody to wake
+        recheck = not ok and sm.awaits_confirmation(state) and not sm.awaits_confirmation(
+            rec.state)
         rec.state = state
         now = self._clock()
         if not ok:
@@ -466,6 +479,8 @@ class Registry:
         self._update_words_locked(now)
         if probe:
             fx.changes.append(Change("probe-now", addr))
+        elif recheck:
+            fx.changes.append(Change("recheck", addr))
         if flipped:
             fx.changes.append(Change("health", addr))
         return fx
@@ -474,7 +489,7 @@ class Registry:
 
     def _update_readiness_deadlines_locked(self, now: float, fx: Effects) -> None:
         if self._readyz:
-            readiness_moves(self._ups, now, self._drain_timeout, fx)
+            readiness_moves(self._ups, now, self._unready_drain_timeout, fx)
 
     def tick(self) -> float | None:
         """Expire drain and readiness deadlines; return the next deadline, if any."""

@@ -226,6 +226,15 @@ def on_probe(s: UpstreamState, result: ProbeResult, *, readyz: bool
     return s, out
 
 
+def awaits_confirmation(s: UpstreamState) -> bool:
+    """One failure short of exclusion: a healthy upstream with a TCP failure streak, or
+    a ready one with a failed /readyz streak. The check that would confirm it runs
+    after --health-recheck instead of a whole interval (HAProxy's ``fastinter``)."""
+    return ((s.healthy and 0 < s.fail_streak < FAILURE_THRESHOLD)
+            or (s.readiness is Readiness.READY
+                and 0 < s.ready_fail_streak < FAILURE_THRESHOLD))
+
+
 def dial_success_changes(s: UpstreamState) -> bool:
     """Whether a successful dial changes anything: a failure streak to clear, or (after a
     TCP failure) a readiness to reset. Mostly not: every new connection asks."""
@@ -295,13 +304,15 @@ def state_word(s: UpstreamState, *, closing_unready: bool) -> str:
 
 def loses_connections(s: UpstreamState, another_ready: bool) -> bool:
     """Readiness moves connections: an unready upstream's are closed after
-    --drain-timeout while another healthy upstream is ready (spec)."""
+    --unready-drain-timeout (default --drain-timeout, the spec's) while another healthy
+    upstream is ready (spec)."""
     return s.readiness is Readiness.UNREADY and not s.draining and another_ready
 
 
 def unready_close(s: UpstreamState, another_ready: bool, deadline: float | None, now: float,
                   drain_timeout: float) -> tuple[float | None, bool, str]:
-    """The close deadline of an unready upstream's connections, at ``now``.
+    """The close deadline of an unready upstream's connections, at ``now``
+    (``drain_timeout``: --unready-drain-timeout).
 
     Returns (new deadline, close its connections now, what happened): "scheduled",
     "closed", the reason it was called off, or "" for no change. The closing is called

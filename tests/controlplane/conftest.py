@@ -67,6 +67,21 @@ def why_not() -> str | None:
     return None
 
 
+def require_control_plane() -> None:
+    """Skip the calling test module, with one line saying why, where this machine cannot
+    run a control plane."""
+    why = why_not()
+    if why:
+        pytest.skip(f"control-plane tests: {why}", allow_module_level=True)
+
+
+# The marks of every control-plane test module. The Python kubernetes client (urllib3)
+# can keep the socket of a request that a fault broke (and that it retried) until its
+# pool is collected: reported, not failed.
+MARKS = [pytest.mark.controlplane,
+         pytest.mark.fd_leak_ok("urllib3 sockets of requests broken by the fault")]
+
+
 @pytest.fixture(scope="session")
 def control_plane() -> Iterator[Any]:
     for line in cpmod.down_stale():

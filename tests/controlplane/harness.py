@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -350,6 +351,28 @@ class Watcher:
         return max(b - a for a, b in itertools.pairwise(times))
 
 
+def sigterm_and_wait(cp: Any, api: str, timeout: float = 90.0) -> float:
+    """SIGTERM ``api`` (a graceful stop) and wait for it to exit; the seconds it took."""
+    t = mono()
+    cp.term(api)
+    assert cp.wait_exit(api, timeout), f"{api} did not exit within {timeout:g}s of SIGTERM"
+    return mono() - t
+
+
+def events_lost(writer: Writer, watchers: list[Watcher], timeout: float = 60.0
+                ) -> dict[str, list[int]]:
+    """Once every watch has received the writer's last successful write (failing the
+    test after ``timeout``): per watch, the successful writes it never received (the
+    first 10; a watch that lost none is left out)."""
+    from tests.util import wait_until
+
+    final = max((s for _, s, _ in writer.written), default=0)
+    wait_until(lambda: all(final in w.seqs() for w in watchers), timeout,
+               message="every watch caught up with the last write")
+    written = {s for _, s, _ in writer.written}
+    return {w.name: sorted(written - w.seqs())[:10] for w in watchers if written - w.seqs()}
+
+
 # --- proxy observation ---------------------------------------------------------------
 
 
@@ -538,3 +561,53 @@ def start_proxy(cp: Any, workdir: Path, *, interval: float, timeout: float,
         raise AssertionError(f"extractedprism exited {proc.returncode}:\n"
                              f"{log_path.read_text(errors='replace')[-3000:]}")
     return Proxy(proc, bind, health, holder["args"], log_path, kc_admin, cp)
+
+
+# --- connections counted from each apiserver's own side ----------------------------------
+
+
+_PID = re.compile(r"pid=(\d+)")
+
+
+def _ss(argv: list[str]) -> list[list[str]]:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True).stdout
+    return [line.split() for line in out.splitlines() if line.strip()]
+
+
+def apiserver_connections(cp: Any, owners: dict[int, str]) -> dict[str, dict[str, int]]:
+    """Established connections each apiserver holds, counted by ``ss`` in its own network
+    namespace (its side of the TCP connection), grouped by who opened them: the peer
+    port is matched with the root namespace's sockets (``ss -p``), whose owning pid
+    ``owners`` maps to a group name (e.g. a fleet of proxies); others count as "other".
+
+    Returns {api: {group: count}}."""
+    bridge = cp.ip("bridge")
+    by_port: dict[int, str] = {}
+    for row in _ss(["ss", "-Htnp", "state", "established", "( dport = :6443 )"]):
+        local, users = row[2], " ".join(row[4:])
+        if not local.startswith(bridge + ":"):
+            continue
+        pid = next((int(p) for p in _PID.findall(users)), None)
+        if pid in owners:
+            by_port[int(local.rsplit(":", 1)[1])] = owners[pid]
+    out: dict[str, dict[str, int]] = {}
+    for api in ("api1", "api2", "api3"):
+        counts: dict[str, int] = {}
+        if cp.running(api):
+            ns = cp.state["netns"][api]
+            for row in _ss(["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established",
+                            "( sport = :6443 )"]):
+                peer = row[3]
+                if not peer.startswith(bridge + ":"):
+                    continue
+                group = by_port.get(int(peer.rsplit(":", 1)[1]), "other")
+                counts[group] = counts.get(group, 0) + 1
+        out[api] = counts
+    return out
+
+
+
+def skew(counts: list[int]) -> float:
+    """max / mean over the apiservers (1.0: even; 0 connections: 1.0)."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else 1.0

@@ -19,23 +19,18 @@ import pytest
 from tests.controlplane import harness
 from tests.controlplane.conftest import (
     INTERVAL,
+    MARKS,
     SLACK,
     TIMEOUT,
     record,
+    require_control_plane,
     wait_all_ready,
-    why_not,
 )
 from tests.controlplane.harness import Load, Sampler, Watcher, Writer, mono
 from tests.util import wait_until
 
-_WHY = why_not()
-if _WHY:
-    pytest.skip(f"control-plane tests: {_WHY}", allow_module_level=True)
-
-# The Python kubernetes client (urllib3) can keep the socket of a request that a fault
-# broke (and that it retried) until its pool is collected: reported, not failed.
-pytestmark = [pytest.mark.controlplane,
-              pytest.mark.fd_leak_ok("urllib3 sockets of requests broken by the fault")]
+require_control_plane()
+pytestmark = MARKS
 
 API = ("api1", "api2", "api3")
 
@@ -205,8 +200,7 @@ def test_rolling_restart_with_sigterm(cluster, extractedprism, namespace):
         for api in API:
             addr = cluster.endpoint(api)
             t = mono()
-            cluster.term(api)
-            assert cluster.wait_exit(api, 90), f"{api} did not exit within 90s of SIGTERM"
+            harness.sigterm_and_wait(cluster, api)
             t_exit = mono()
             s_ex = sampler.first(lambda s, a=addr: excluded(s, a), t)
             cluster.start(api)

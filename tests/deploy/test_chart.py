@@ -47,11 +47,13 @@ NON_DEFAULTS: dict[str, Any] = {
     "endpoints": ["192.0.2.1:6443", "192.0.2.2:443"],
     "health-interval": "30s",
     "health-timeout": "5s",
+    "health-recheck": "10s",
     "enable-discovery": False,
     "log-level": "debug",
     "liveness-interval": "2s",
     "liveness-threshold": "1m",
     "drain-timeout": "0",
+    "unready-drain-timeout": "3s",
     "upstream-selection": "latency",
     "rebalance-interval": "30s",
     "rebalance-quiet": "10s",
@@ -558,7 +560,11 @@ def test_render_without_endpoints_fails_with_a_clear_message(values) -> None:
     ({"healthCheckKeyFile": "/k.pem"}, "must be set together"),
     ({"bindPort": 7446}, r"--bind-port \(7446\) and --health-port \(7446\) must differ"),
     ({"podMonitor": {"enabled": True}}, "podMonitor.enabled needs a health server"),
-], ids=["readyz-no-ca", "cert-no-key", "key-no-cert", "same-ports", "podmonitor-loopback"])
+    ({"healthRecheck": "30s"},
+     r"--health-recheck \(30s\) must not be more than --health-interval \(20s\)"),
+    ({"healthRecheck": "500ms"}, r"--health-recheck \(500ms\) must be at least 1s"),
+], ids=["readyz-no-ca", "cert-no-key", "key-no-cert", "same-ports", "podmonitor-loopback",
+        "recheck-above-interval", "recheck-below-1s"])
 def test_render_time_checks_mirror_the_programs_validation(values, message) -> None:
     with pytest.raises(h.HelmError, match=message):
         render({"endpoints": ENDPOINTS, **values})
@@ -576,6 +582,8 @@ def test_render_time_checks_mirror_the_programs_validation(values, message) -> N
     ({"enableDiscovery": "yes"}, "/enableDiscovery"),
     ({"healthInterval": "20 seconds"}, "/healthInterval"),
     ({"drainTimeout": "-1s"}, "/drainTimeout"),
+    ({"unreadyDrainTimeout": "-1s"}, "/unreadyDrainTimeout"),
+    ({"healthRecheck": "2 s"}, "/healthRecheck"),
     ({"maxConnections": 0}, "/maxConnections"),
     ({"endpoints": ["10.0.0.1"]}, "/endpoints"),
     ({"endpoints": 6443}, "/endpoints"),

@@ -94,6 +94,10 @@ RULES: dict[str, dict[str, Any]] = {
                                   "healthCheckKeyFile": " "},
     "blank-server-name": {"healthCheckServerName": "   "},
     "same-ports": {"bindPort": 7446},
+    "recheck-above-interval": {"healthRecheck": "30s"},
+    "recheck-below-1s": {"healthRecheck": "500ms"},
+    "recheck-below-1s-and-above-interval": {"healthInterval": "500ms", "healthTimeout": "400ms",
+                                            "healthRecheck": "999ms"},
     "several-at-once": {"healthInterval": "800ms", "livenessThreshold": "2s",
                         "healthCheckKeyFile": "/k.pem", "healthCheckServerName": " ",
                         "healthPort": 7445},
@@ -124,12 +128,14 @@ DURATIONS = ["500ms", "999ms", "1s", "1.5s", "2s", "5s", "10s", "15s", "20s", "1
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(hi=st.sampled_from(DURATIONS), ht=st.sampled_from(DURATIONS),
+       hr=st.sampled_from(["", *DURATIONS]),
        li=st.sampled_from(DURATIONS), lt=st.sampled_from(DURATIONS),
        check=st.sampled_from(["", "tcp", "readyz"]), discovery=st.booleans(),
        cert=st.sampled_from(["", " ", "/c.pem"]), key=st.sampled_from(["", "/k.pem"]))
-def test_chart_and_program_agree_on_any_combination(unchecked_chart, hi, ht, li, lt, check,
+def test_chart_and_program_agree_on_any_combination(unchecked_chart, hi, ht, hr, li, lt, check,
                                                     discovery, cert, key) -> None:
     values = {"endpoints": ENDPOINTS, "healthInterval": hi, "healthTimeout": ht,
+              "healthRecheck": hr,
               "livenessInterval": li, "livenessThreshold": lt, "healthCheck": check,
               "enableDiscovery": discovery, "healthCheckCertFile": cert,
               "healthCheckKeyFile": key}

@@ -19,14 +19,6 @@ INTERVAL, TIMEOUT, DRAIN = 0.3, 0.25, 1.0
 
 
 @pytest.fixture
-def ups(ca):  # type: ignore[no-untyped-def]
-    made = [FakeUpstream(ca=ca, name=f"up{i}").start() for i in range(3)]
-    yield made
-    for u in made:
-        u.stop()
-
-
-@pytest.fixture
 def app(make_app, ups, ca, tmp_path):  # type: ignore[no-untyped-def]
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))

@@ -219,6 +219,70 @@ def test_unready_connections_closed_after_drain_timeout_and_called_off():
     assert c.closed
 
 
+def test_record_probe_says_when_the_next_check_confirms_a_first_failure():
+    reg, *_ = make(readyz=True)
+    all_ready(reg)
+    assert reg.record_probe(A, ready(False)) is True  # ready, 1 of 2: recheck soon
+    assert reg.record_probe(A, ready(False)) is False  # unready: nothing to confirm
+    assert reg.record_probe(B, DOWN) is True
+    assert reg.record_probe(B, DOWN) is False
+    assert reg.record_probe(C, ready(True)) is False
+    reg.set_endpoints(EPS[:2])  # C drains: no checks, nothing to confirm
+    assert reg.record_probe(C, DOWN) is False
+
+
+def _unready_with_a_connection(reg: Registry, clock: Clock) -> Conn:
+    all_ready(reg)
+    c = Conn("c")
+    reg.attach(A, c)
+    reg.record_probe(A, ready(False))
+    reg.record_probe(A, ready(False))
+    return c
+
+
+@pytest.mark.parametrize("drain,unready", [(30.0, 3.0), (3.0, 30.0), (10.0, 0.5)])
+def test_unready_connections_wait_the_unready_drain_timeout_not_the_drain_timeout(
+        drain, unready):
+    clock = Clock()
+    reg = Registry(readyz=True, drain_timeout=drain, unready_drain_timeout=unready,
+                   clock=clock, rng=random.Random(1))
+    reg.set_endpoints(EPS)
+    c = _unready_with_a_connection(reg, clock)
+    assert reg.snapshot().get(A).close_deadline == pytest.approx(clock.now + unready)
+    clock.now += unready - 0.01
+    reg.tick()
+    assert not c.closed
+    clock.now += 0.02
+    reg.tick()
+    assert c.closed
+    # A removed endpoint keeps --drain-timeout.
+    d = Conn("d")
+    reg.attach(B, d)
+    reg.set_endpoints([EPS[0], EPS[2]])
+    assert reg.snapshot().get(B).close_deadline == pytest.approx(clock.now + drain)
+
+
+def test_unready_drain_timeout_defaults_to_the_drain_timeout():
+    reg, clock, *_ = make(readyz=True, drain=7)
+    c = _unready_with_a_connection(reg, clock)
+    assert reg.snapshot().get(A).close_deadline == pytest.approx(clock.now + 7)
+    clock.now += 6.9
+    reg.tick()
+    assert not c.closed
+    clock.now += 0.2
+    reg.tick()
+    assert c.closed
+
+
+def test_zero_unready_drain_timeout_closes_at_once():
+    clock = Clock()
+    reg = Registry(readyz=True, drain_timeout=30, unready_drain_timeout=0, clock=clock,
+                   rng=random.Random(1))
+    reg.set_endpoints(EPS)
+    c = _unready_with_a_connection(reg, clock)
+    assert c.closed
+
+
 def test_unready_close_called_off_when_no_other_is_ready():
     reg, clock, *_ = make(readyz=True, drain=10)
     all_ready(reg)
@@ -408,8 +472,9 @@ def test_changes_reach_the_one_listener_after_the_lock_is_released():
     reg.record_dial(A, False, "refused")
     reg.record_dial(A, False, "refused")
     reg.record_dial(A, True)
-    assert seen == [("endpoints", True), ("health", True), ("probe-now", True),
-                    ("health", True)]
+    # The first failed dial leaves A one failure short: "recheck" (--health-recheck).
+    assert seen == [("endpoints", True), ("recheck", True), ("health", True),
+                    ("probe-now", True), ("health", True)]
 
 
 def test_latency_issue_12_example_new_fast_upstream_shares_tier_zero():

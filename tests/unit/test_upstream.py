@@ -160,3 +160,29 @@ UNREADY_STATE = UpstreamState(readiness=Readiness.UNREADY)
 ])
 def test_unready_close(state, another, deadline, now, drain, expected):
     assert sm.unready_close(state, another, deadline, now, drain) == expected
+
+
+# --health-recheck: after which check does the confirming one come sooner? Exactly when
+# the upstream is one failure short of exclusion (FAILURE_THRESHOLD = 2).
+@pytest.mark.parametrize("start,inputs,readyz,expected", [
+    (NEW, [OK], False, False),
+    (NEW, [DOWN], False, True),  # healthy, 1 of 2 TCP failures
+    (NEW, [DOWN, DOWN], False, False),  # excluded: nothing left to confirm
+    (NEW, [DOWN, OK], False, False),  # one success resets the streak
+    (UNHEALTHY, [DOWN], False, False),  # already out
+    (IS_READY, [UNREADY], True, True),  # ready, 1 of 2 /readyz failures
+    (IS_READY, [UNREADY, UNREADY], True, False),  # unready now
+    (IS_READY, [UNREADY, READY], True, False),
+    (IS_READY, [DOWN], True, True),  # ready and healthy, 1 TCP failure
+    (NEW, [UNREADY], True, False),  # pending: one failed probe settles it at once
+])
+def test_awaits_confirmation(start, inputs, readyz, expected):
+    state, _ = probes(start, *inputs, readyz=readyz)
+    assert sm.awaits_confirmation(state) is expected
+
+
+def test_a_failed_dial_also_leaves_a_healthy_upstream_awaiting_confirmation():
+    state, _, _ = on_dial(NEW, False, "refused", readyz=False)
+    assert sm.awaits_confirmation(state)
+    state, _, _ = on_dial(state, False, "refused", readyz=False)
+    assert not state.healthy and not sm.awaits_confirmation(state)

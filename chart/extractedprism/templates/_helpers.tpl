@@ -208,11 +208,13 @@ health-bind-address: healthBindAddress
 endpoints: endpoints
 health-interval: healthInterval
 health-timeout: healthTimeout
+health-recheck: healthRecheck
 enable-discovery: enableDiscovery
 log-level: logLevel
 liveness-interval: livenessInterval
 liveness-threshold: livenessThreshold
 drain-timeout: drainTimeout
+unready-drain-timeout: unreadyDrainTimeout
 upstream-selection: upstreamSelection
 rebalance-interval: rebalanceInterval
 rebalance-quiet: rebalanceQuiet

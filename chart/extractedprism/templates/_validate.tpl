@@ -33,6 +33,18 @@ Like the program, all problems are reported at once.
 {{- if ge (get $sec "health-timeout") (get $sec "health-interval") -}}
 {{- $problems = append $problems (printf "--health-timeout (%s) must be less than --health-interval (%s)" (get $raw "health-timeout") (get $raw "health-interval")) -}}
 {{- end -}}
+{{- /* --health-recheck: blank is the interval; given, at least 1 s and not above it
+(both checked, as the program checks a rule on a value that failed its own check). */ -}}
+{{- $recheck := toString (default "" $v.healthRecheck) | trim -}}
+{{- if $recheck -}}
+{{- $r := include "extractedprism.seconds" $recheck | float64 -}}
+{{- if lt $r 1.0 -}}
+{{- $problems = append $problems (printf "--health-recheck (%s) must be at least 1s" $recheck) -}}
+{{- end -}}
+{{- if gt $r (get $sec "health-interval") -}}
+{{- $problems = append $problems (printf "--health-recheck (%s) must not be more than --health-interval (%s)" $recheck (get $raw "health-interval")) -}}
+{{- end -}}
+{{- end -}}
 {{- if le (get $sec "liveness-threshold") (get $sec "liveness-interval") -}}
 {{- $problems = append $problems (printf "--liveness-threshold (%s) must be greater than --liveness-interval (%s)" (get $raw "liveness-threshold") (get $raw "liveness-interval")) -}}
 {{- end -}}
