@@ -286,11 +286,18 @@ class Registry:
 
     def _update_serving_locked(self, now: float) -> None:
         """Slow start: an upstream that starts serving (pickable, and ready with readyz)
-        after it served before, or that was added to a serving list, ramps from now."""
+        after it served before, or that was added to a serving list, or that a readyz
+        probe had found not ready (a server of the first list that was down at start and
+        comes up later), ramps from now."""
         readyz = self._readyz
         for addr, rec in self._ups.items():
             st = rec.state
             serving = st.pickable and (st.ready or not readyz)
+            if not serving and st.probed_ready:
+                # Seen not serving by a probe, not merely unprobed: coming up later is a
+                # recovery, even if it never served (new upstreams serve before their
+                # first check only without readyz).
+                rec.ramp_new = True
             if serving == rec.serving:
                 continue
             rec.serving = serving

@@ -244,6 +244,21 @@ def test_slow_start_leaves_the_first_list_and_the_weights_off_alone():
     assert reg.snapshot().get(A).weight == pytest.approx(0.1)
 
 
+def test_slow_start_ramps_a_first_list_server_that_was_not_ready_at_start():
+    # With readyz, nothing serves before its first probe: the servers ready at start take
+    # their full weight, one a probe found not ready ramps when it comes up later.
+    reg, clock = make(interval=0.0, slow=100.0, readyz=True)
+    ready = ProbeResult(True, 0.001, "", ready=True)
+    for addr in (A, B):
+        reg.record_probe(addr, ready)
+    reg.record_probe(C, ProbeResult(True, 0.001, "", ready=False, ready_reason="HTTP 500"))
+    assert [u.weight for u in reg.snapshot().upstreams] == [1.0, 1.0, 1.0]
+    clock.now += 30
+    reg.record_probe(C, ready)
+    assert reg.snapshot().get(C).weight == pytest.approx(0.1)
+    assert reg.snapshot().get(A).weight == 1.0
+
+
 def test_slow_start_with_least_conn_divides_by_weight():
     reg, _clock = make(interval=0.0, slow=90.0, selection="least-conn")
     attach(reg, A, 4)
