@@ -52,14 +52,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.controlplane.conftest import (
-    INTERVAL,
-    SLACK,
-    TIMEOUT,
-    fleet_why_not,
-    record,
-    restore,
-)
+from tests.controlplane.conftest import INTERVAL, SLACK, TIMEOUT, fleet_why_not, record, restore
 from tests.util import wait_until
 
 _WHY = fleet_why_not()
