@@ -104,9 +104,23 @@ def stop_background_clients() -> Iterator[None]:
     harness.stop_live()
 
 
-@pytest.fixture
-def cluster(control_plane: Any) -> Any:
-    cp = control_plane
+def fleet_why_not() -> str | None:
+    """Why the hollow-node fleet (scripts/fleet) cannot run here, in one line (None: it can)."""
+    why = why_not()
+    if why:
+        return why
+    missing = cpbuild.missing(fleet=True)
+    if missing:
+        return f"fleet binaries not built ({', '.join(missing)}): run `scripts/fleet build`"
+    return None
+
+
+def restore(cp: Any, extra: list[str] | None = None) -> float:
+    """Every apiserver and etcd running, no partition, every apiserver ready and in the
+    slice, each apiserver started with ``extra`` flags (restarted where its flags differ);
+    returns the seconds it took."""
+    t0 = time.monotonic()
+    want = list(extra or [])
     for api in cphost.APISERVERS:
         cp.heal(api)
     if not cp.running("etcd"):
@@ -114,14 +128,22 @@ def cluster(control_plane: Any) -> Any:
     for api in cphost.APISERVERS:
         if cp.pid(api) is not None:
             cp.cont(api)
+    differ = [a for a in cphost.APISERVERS if cp.running(a) and cp.extra_args(a) != want]
+    for api in differ:  # all at once: each drains on its own
+        cp.term(api)
+    for api in differ:
+        cp.wait_exit(api, 90)
     for api in cphost.APISERVERS:
-        if cp.running(api) and cp.extra_args(api):  # a test's special flags: back to defaults
-            cp.term(api)
-            cp.wait_exit(api, 90)
         if not cp.running(api):
-            cp.start(api)
+            cp.start(api, want)
     cp.wait_ready(timeout=90)
-    return cp
+    return time.monotonic() - t0
+
+
+@pytest.fixture
+def cluster(control_plane: Any) -> Any:
+    restore(control_plane)  # a test's special flags: back to defaults
+    return control_plane
 
 
 @pytest.fixture

@@ -21,21 +21,10 @@ from typing import Any
 
 import pytest
 
-from tests.controlplane.conftest import INTERVAL, SLACK, TIMEOUT, cpbuild, cphost, record, why_not
+from tests.controlplane.conftest import INTERVAL, SLACK, TIMEOUT, cphost, fleet_why_not, record
 from tests.util import wait_until
 
-
-def _why_not() -> str | None:
-    why = why_not()
-    if why:
-        return why
-    missing = cpbuild.missing(fleet=True)
-    if missing:
-        return (f"fleet binaries not built ({', '.join(missing)}): run `scripts/fleet build`")
-    return None
-
-
-_WHY = _why_not()
+_WHY = fleet_why_not()
 if _WHY:
     pytest.skip(f"fleet tests: {_WHY}", allow_module_level=True)
 

@@ -35,6 +35,14 @@ DISABLED_ADMISSION = ",".join([
     "ValidatingAdmissionPolicy", "ResourceQuota", "LimitRanger",
 ])
 
+# What a production cluster admits with, for a start that asks for it
+# (ControlPlane.production_admission): every default-on plugin (nothing disabled) plus
+# NodeRestriction, which kubeadm enables; PodSecurity's cluster-wide default is "baseline"
+# as hardened clusters set it (warn and audit "restricted"), no namespace exempt, so only
+# a namespace's own label lets a privileged pod in.
+PRODUCTION_ADMISSION_ENABLE = "NodeRestriction"
+POD_SECURITY_DEFAULTS = {"enforce": "baseline", "warn": "restricted", "audit": "restricted"}
+
 
 class CPError(Exception):
     """A control-plane operation failed; the message says which and why."""

@@ -27,7 +27,9 @@ from epscripts.controlplane.host import (
     DISABLED_ADMISSION,
     ETCD_PORT,
     HOST_INDEX,
+    POD_SECURITY_DEFAULTS,
     PORT,
+    PRODUCTION_ADMISSION_ENABLE,
     SA_ISSUER,
     SERVER_NAME,
     SUBNET_POOL,
@@ -225,6 +227,11 @@ class ControlPlane:
 
     def _apiserver_argv(self, api: str, extra: list[str]) -> list[str]:
         pki = self.pki
+        # A start that names its own --disable-admission-plugins (e.g. empty: a production
+        # cluster's admission) replaces the run's list: kube-apiserver appends repeated
+        # list flags and refuses a plugin both enabled and disabled.
+        admission = ([] if any(a.startswith("--disable-admission-plugins=") for a in extra)
+                     else [f"--disable-admission-plugins={DISABLED_ADMISSION}"])
         return [self.binary("kube-apiserver"),
                 f"--etcd-servers=http://{self.ip('etcd')}:{ETCD_PORT}",
                 f"--secure-port={PORT}", f"--bind-address={self.ip(api)}",
@@ -242,8 +249,25 @@ class ControlPlane:
                 "--service-cluster-ip-range=10.96.0.0/24",
                 "--profiling=false", "--enable-priority-and-fairness=false",
                 "--watch-cache=false", "--enable-garbage-collector=false", "--event-ttl=5m",
-                f"--disable-admission-plugins={DISABLED_ADMISSION}",
-                "--v=1", *extra]
+                *admission, "--v=1", *extra]
+
+    def production_admission(self) -> list[str]:
+        """Extra flags for ``start``: admission as a production cluster has it (host.py),
+        with its PodSecurity configuration written into the run directory."""
+        path = self.dir / "admission.json"
+        defaults: dict[str, str] = {}
+        for mode, level in POD_SECURITY_DEFAULTS.items():
+            defaults.update({mode: level, f"{mode}-version": "latest"})
+        path.write_text(json.dumps({
+            "apiVersion": "apiserver.config.k8s.io/v1", "kind": "AdmissionConfiguration",
+            "plugins": [{"name": "PodSecurity", "configuration": {
+                "apiVersion": "pod-security.admission.config.k8s.io/v1",
+                "kind": "PodSecurityConfiguration", "defaults": defaults,
+                "exemptions": {"usernames": [], "runtimeClasses": [], "namespaces": []}}}],
+        }, indent=1) + "\n")
+        return ["--disable-admission-plugins=",
+                f"--enable-admission-plugins={PRODUCTION_ADMISSION_ENABLE}",
+                f"--admission-control-config-file={path}"]
 
     def start_etcd(self) -> int:
         if self.pid("etcd"):
@@ -346,7 +370,8 @@ class ControlPlane:
 
     def request(self, api: str, path: str, method: str = "GET", body: Any = None,
                 token: str | None = "admin", timeout: float = 5.0,
-                cert: str | None = None) -> tuple[int, Any]:
+                cert: str | None = None, content_type: str = "application/json",
+                ) -> tuple[int, Any]:
         """(status, decoded JSON or text) from one apiserver, verified as kubernetes.default.svc."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(f"https://{self.endpoint(api)}{path}", data=data,
@@ -354,7 +379,7 @@ class ControlPlane:
         if token:
             req.add_header("Authorization", f"Bearer {self.token(token)}")
         if data is not None:
-            req.add_header("Content-Type", "application/json")
+            req.add_header("Content-Type", content_type)  # a PATCH: its patch type
         ctx = self.ssl_context()
         if cert:  # a client certificate of the run's PKI, by name: "node", "admin"
             ctx.load_cert_chain(str(self.pki / f"{cert}.crt"), str(self.pki / f"{cert}.key"))
