@@ -107,6 +107,7 @@ class App:
                            # Resolved by the CLI; in-process instances (tests) from config.
                            relay=relay if relay is not None else resolve(config.relay),
                            dial_hedge_delay=config.dial_hedge_delay,
+                           answer_hedge_delay=config.answer_hedge_delay,
                            on_accept_loop=self._accept_turned)
         self.heartbeat = Heartbeat(lock_free=functools.partial(lock_free, self.registry.lock),
                                    acceptor=self.proxy, ticker=self.ticker,

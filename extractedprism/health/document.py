@@ -16,7 +16,9 @@ endpoints only, as before),
 ``readiness``, ``ready_reason``, ``failures`` (current consecutive-failure streak),
 ``last_check_at``, ``last_check_error``, ``last_error_source`` (``probe`` or ``dial``),
 ``tier``, ``rtt_seconds``, ``active_connections``, ``total_connections``, ``bytes_up``
-(client to upstream), ``bytes_down``, and ``admin`` (the operator's action, its uid and
+(client to upstream), ``bytes_down``, ``answer_hedges`` (``won``/``lost``/``silent``:
+connections whose first answer was hedged, as extractedprism_answer_hedges_total), and
+``admin`` (the operator's action, its uid and
 time, or null).
 """
 
@@ -85,6 +87,7 @@ def upstream_entry(u: UpstreamView, wall: _Clock) -> dict[str, Any]:
         "total_connections": u.total_connections,
         "bytes_up": u.bytes_up,
         "bytes_down": u.bytes_down,
+        "answer_hedges": {o: dict(u.answer_hedges).get(o, 0) for o in ("won", "lost", "silent")},
         "admin": admin,
     }
 

@@ -77,6 +77,9 @@ class UpstreamView:
     close_deadline: float | None = None  # when its remaining connections are closed
     admin: AdminMark | None = None
     dials: DialCounts = field(default_factory=DialCounts)  # client dial times
+    # Connections whose first answer was hedged, by this upstream's outcome: "won",
+    # "lost" (answered after the other), "silent" (never within --health-timeout).
+    answer_hedges: tuple[tuple[str, int], ...] = ()
 
     @property
     def admin_drained(self) -> bool:
