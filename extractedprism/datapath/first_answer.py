@@ -384,15 +384,15 @@ class FirstAnswer:
 
     def alive(self, addr: str, outcome: str) -> None:
         """It answered: alive, never a failure."""
-        self._registry.record_dial(addr, True)
         if outcome:
             self._registry.record_answer_hedge(addr, outcome)
+        self._registry.record_dial(addr, True)
 
     def silent(self, addr: str, outcome: str) -> None:
         """It never answered within --health-timeout: one failure toward its streak."""
+        if outcome:  # first: an exclusion it causes then finds it counted
+            self._registry.record_answer_hedge(addr, outcome)
         self._registry.record_dial(
             addr, False, f"no answer within {self.health_timeout:g}s to the client's TLS "
             "ClientHello", count_error=not self._stopping.is_set())
-        if outcome:
-            self._registry.record_answer_hedge(addr, outcome)
 
