@@ -314,7 +314,11 @@ class Dialer:
                     continue
                 tried.add(res.address)
                 d = Dial(self, res, now + self._timeout, self._timeout)
-                won = self._begin(d, poller)
+                try:
+                    won = self._begin(d, poller)
+                except BaseException:
+                    d.drop()  # not in ``dials`` yet: connect()'s cleanup cannot see it
+                    raise
                 if won:
                     return self._won(d, dials, poller)
                 if d.sock is not None:

@@ -386,6 +386,9 @@ class Proxy:
                     pipe.run()
             else:
                 pipe.run()
+        except BaseException:
+            leg.sock.close()  # the relay raised before closing it (the pool closes the client)
+            raise
         finally:
             reg.detach(leg.address, pipe)
             if debug and found == ANSWERED:
