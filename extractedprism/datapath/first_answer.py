@@ -97,11 +97,11 @@ def replayable(leg: Leg) -> bool:
     return not leg.sent or is_client_hello(leg.first)
 
 
-def _send_rest(leg: Leg) -> bool:
+def send_rest(leg: Leg) -> bool:
     """Send what ``leg``'s upstream does not have yet, waiting as the relay would; False
     on the upstream's error (the relay reports it)."""
     first = leg.first
-    if first is None:
+    if first is None or leg.sent == len(first):
         return True
     ufd = leg.sock.fileno()
     try:
@@ -161,11 +161,12 @@ def wait_answer(client: socket.socket, leg: Leg, timeout: float,
         if not first:
             return LEFT
         leg.first, leg.sent = first, 0
-    if not _send_rest(leg) or not is_client_hello(leg.first):
+    if not send_rest(leg) or not is_client_hello(leg.first):
         return ANSWERED
     poller = select.poll()
     poller.register(cfd, select.POLLIN)
     poller.register(ufd, select.POLLIN)
+    leg.since = leg.since or time.monotonic()  # had them already (a replay's dial)
     deadline = leg.since + timeout
     while (left := deadline - time.monotonic()) > 0:
         events = dict(poller.poll(max(1, int(left * 1000))))
@@ -241,12 +242,10 @@ class FirstAnswer:
         return self._registry.any_pickable(exclude=tried)
 
     def settle(self, client: socket.socket, leg: Leg, tried: set[str]) -> Leg | None:
-        """The first answer in Python (the Python relay, or where the native relay call
-        cannot judge): the leg that carries the connection, all of the client's first
-        bytes (if read) sent to it; None: the client left (every attempt closed)."""
-        if not self.judges(leg):
-            _send_rest(leg)  # nothing to wait for: the relay reports any error
-            return leg
+        """The first answer in Python for a leg judges() accepts (the Python relay, or
+        where the native relay call cannot judge): the leg that carries the connection,
+        all of the client's first bytes (if read) sent to it; None: the client left
+        (every attempt closed)."""
         found = wait_answer(client, leg, self.hedge_delay, self._native_first)
         if found == ANSWERED:
             return leg

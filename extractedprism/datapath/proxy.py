@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from extractedprism.datapath import sched
 from extractedprism.datapath.dialer import Dialer
-from extractedprism.datapath.first_answer import FirstAnswer, Leg, replayable
+from extractedprism.datapath.first_answer import FirstAnswer, Leg, replayable, send_rest
 from extractedprism.datapath.listener import format_addr, has_opts, open_listener, set_accept_wake
 from extractedprism.datapath.pipe import Pipe
 from extractedprism.datapath.pool import PipePool
@@ -345,19 +345,24 @@ class Proxy:
         reg = self._registry
         try:
             pipe = self._pipe(client_sock, client, leg)
-            if self._judge_in_relay and self._answer.judges(leg) and pipe.can_judge():
-                # The common case with several upstreams: attached now, judged by the
-                # relay's own first call (Pipe.run_judged), one GIL round trip fewer.
-                attached = reg.attach_unjudged(leg.res, pipe)
-                if attached is not None:
-                    return leg, pipe if attached else None, True
-            carrier = self._answer.settle(client_sock, leg, tried)
-            if carrier is None:
-                return None
-            leg = carrier
-            if leg.sock is not pipe.upstream_sock:
-                pipe = self._pipe(client_sock, client, leg)
-            pipe.count_sent(len(leg.first or b""))
+            if not self._answer.judges(leg):
+                # Nothing to wait for (one upstream, panic mode, no ClientHello, hedge
+                # off): what the client sent goes to this upstream, and the relay starts.
+                send_rest(leg)
+            else:
+                if self._judge_in_relay and pipe.can_judge():
+                    # The common case with several upstreams: attached now, judged by the
+                    # relay's own first call (Pipe.run_judged), one GIL round trip fewer.
+                    attached = reg.attach_unjudged(leg.res, pipe)
+                    if attached is not None:
+                        return leg, pipe if attached else None, True
+                carrier = self._answer.settle(client_sock, leg, tried)
+                if carrier is None:
+                    return None
+                if carrier is not leg:
+                    leg, pipe = carrier, self._pipe(client_sock, client, carrier)
+            if leg.first:
+                pipe.count_sent(len(leg.first))
             return leg, pipe if reg.attach(leg.res, pipe) else None, False
         except BaseException:
             leg.close()
