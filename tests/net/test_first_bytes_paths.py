@@ -14,7 +14,7 @@ from extractedprism.datapath import first_answer
 from extractedprism.datapath.pipe import Pipe
 from tests.fakes.answering import hello
 from tests.fakes.upstream import EchoServer
-from tests.net.test_silent_upstream import PROBES_OFF
+from tests.net.test_silent_upstream import PROBES_OFF, _active, _dialing
 from tests.util import free_port, wait_until
 
 RELAYS = ["native", "python"]
@@ -34,17 +34,6 @@ def _round_trip(app, msg: bytes) -> bytes:  # type: ignore[no-untyped-def]
                 break
             got += chunk
     return got
-
-
-def _dialing(app) -> int:  # type: ignore[no-untyped-def]
-    """Reservations held (dials in flight) over every upstream: 0 when none leaked.
-    (The registry's own records: least-conn reads exactly this count.)"""
-    with app.registry.lock:
-        return sum(r.dialing for r in app.registry._ups.values())
-
-
-def _active(app) -> int:  # type: ignore[no-untyped-def]
-    return sum(u.active_connections for u in app.registry.snapshot().upstreams)
 
 
 def _errors(app, addr: str) -> float:  # type: ignore[no-untyped-def]

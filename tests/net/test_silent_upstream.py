@@ -281,39 +281,54 @@ def test_drain_race_replays_only_a_client_hello(make_app, fakes, relay, first, m
 @pytest.mark.parametrize("relay", RELAYS)
 @pytest.mark.parametrize("how", ["close", "reset"])
 def test_a_client_that_leaves_during_the_wait_costs_nobody(make_app, fakes, relay, how):
-    """The client closes (or resets) while its upstream has not answered: every attempt
-    is closed, nothing goes to another upstream, and no upstream is charged."""
+    """The client closes (or resets) while its upstream, frozen, has not answered: every
+    attempt is closed at once (a relay started instead would hang on the frozen upstream
+    for good), nothing goes to another upstream, and no upstream is charged."""
     hedge = 1.0
-    silent, echo = fakes(answer_after=None), fakes()
-    app = make_app([silent.endpoint, echo.endpoint], health_interval=PROBES_OFF,
+    frozen, echo = fakes(read=False), fakes()
+    app = make_app([frozen.endpoint, echo.endpoint], health_interval=PROBES_OFF,
                    health_timeout=2.0, answer_hedge_delay=hedge, relay=relay)
+    wait_until(lambda: len(frozen.got) >= 1, 5, message="the first health check")
+    time.sleep(0.2)  # the first check's connection is in before the clients' (deliberate)
     left = 0
     for i in range(40):
         msg = hello(b"leave%d" % i)
+        accepted = len(frozen.got)
         c = socket.create_connection(app.proxy_address, timeout=5)
         c.sendall(msg)
-        wait_until(lambda m=msg: silent.has(m) or echo.has(m), 5, message="delivered")
+        wait_until(lambda m=msg, n=accepted: len(frozen.got) > n or echo.has(m), 5,
+                   message="connected")
         if echo.has(msg):  # landed on the one that answers: not this test's case
             c.close()
             continue
-        closed_before = silent.closed
         if how == "reset":
             c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         c.close()
-        # The proxy closes its attempt at once (well before the hedge delay) ...
-        wait_until(lambda cb=closed_before: silent.closed > cb, hedge / 2,
-                   message="the silent attempt closed")
+        # Every attempt closed well before the hedge delay (none attached, none dialing) ...
+        wait_until(lambda: _active(app) == 0 and _dialing(app) == 0, hedge / 2,
+                   message="every attempt closed")
         left += 1
         # ... and past the hedge delay, nothing went to the other upstream.
         time.sleep(hedge + SLACK)
         assert echo.has(msg) == 0
         if left == 2:
             break
-    assert left == 2, "no connection landed on the silent upstream"
-    assert _errors(app, silent.address) == 0
-    assert _healthy(app, silent.address)
-    assert _hedges(app, silent.address, "silent") == 0
+    assert left == 2, "no connection landed on the frozen upstream"
+    assert _errors(app, frozen.address) == 0
+    assert _healthy(app, frozen.address)
+    assert _hedges(app, frozen.address, "silent") == 0
     assert _hedges(app, echo.address, "won") == 0
+
+
+def _active(app) -> int:  # type: ignore[no-untyped-def]
+    return sum(u.active_connections for u in app.registry.snapshot().upstreams)
+
+
+def _dialing(app) -> int:  # type: ignore[no-untyped-def]
+    """Reservations held (dials in flight) over every upstream: 0 when none is left.
+    (The registry's own records: least-conn reads exactly this count.)"""
+    with app.registry.lock:
+        return sum(r.dialing for r in app.registry._ups.values())
 
 
 @pytest.mark.timeout(60)
