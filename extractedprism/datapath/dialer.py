@@ -172,48 +172,44 @@ class Dialer:
         if res is None:
             return None  # the general path finds nothing either: panic mode
         try:
-            return self._fast_dial(res, tried, dials, take_first_from)
+            target = native_target(res.endpoint)
+            if target is None:
+                res.release()  # a hostname: the general path resolves it
+                return None
+            tried.add(res.address)
+            started = time.monotonic()
+            fd, err, first, sent = native_connect(target, take_first_from)
+            if err == 0:
+                res.dial_seconds = time.monotonic() - started
+                res.first, res.sent = first, sent
+                return socket.socket(target[0], socket.SOCK_STREAM, 0, fd), res
+            if fd < 0:  # refused at once, say: counted, and the general path tries the next
+                self.record(res.address, OSError(err, os.strerror(err)),
+                            duration=time.monotonic() - started)
+                res.release()
+                return None
+            sock = socket.socket(target[0], socket.SOCK_STREAM, 0, fd)
+            if self._hedge:
+                d = Dial(self, res, started + self._timeout, self._timeout)
+                d.sock = sock
+                dials.append(d)
+                return None
+            try:  # hedging off: wait for it here, within the dial timeout
+                wait_connected(sock, started + self._timeout - time.monotonic())
+            except OSError as exc:
+                sock.close()
+                self.record(res.address, exc, duration=time.monotonic() - started)
+                res.release()
+                return None
+            except BaseException:
+                sock.close()
+                res.release()
+                raise
+            self.record(res.address, None, carries=res, duration=time.monotonic() - started)
+            return sock, res
         except BaseException:
             res.release()  # whatever raised, at whichever step: no reservation leaks
             raise
-
-    def _fast_dial(self, res: Reservation, tried: set[str], dials: list[Dial],
-                   take_first_from: int) -> tuple[socket.socket, Reservation] | None:
-        target = native_target(res.endpoint)
-        if target is None:
-            res.release()  # a hostname: the general path resolves it
-            return None
-        tried.add(res.address)
-        started = time.monotonic()
-        fd, err, first, sent = native_connect(target, take_first_from)
-        if err == 0:
-            res.dial_seconds = time.monotonic() - started
-            res.first, res.sent = first, sent
-            return socket.socket(target[0], socket.SOCK_STREAM, 0, fd), res
-        if fd < 0:  # refused at once, say: counted, and the general path tries the next
-            self.record(res.address, OSError(err, os.strerror(err)),
-                        duration=time.monotonic() - started)
-            res.release()
-            return None
-        sock = socket.socket(target[0], socket.SOCK_STREAM, 0, fd)
-        if self._hedge:
-            d = Dial(self, res, started + self._timeout, self._timeout)
-            d.sock = sock
-            dials.append(d)
-            return None
-        try:  # hedging off: wait for it here, within the dial timeout
-            wait_connected(sock, started + self._timeout - time.monotonic())
-        except OSError as exc:
-            sock.close()
-            self.record(res.address, exc, duration=time.monotonic() - started)
-            res.release()
-            return None
-        except BaseException:
-            sock.close()
-            res.release()
-            raise
-        self.record(res.address, None, carries=res, duration=time.monotonic() - started)
-        return sock, res
 
     # -- the first answer's hedge (first_answer.py): one more dial, never panic mode ----
 

@@ -63,8 +63,9 @@ def is_client_hello(first: bytes | None) -> bool:
     """One complete TLS ClientHello record and nothing else: record type 22, handshake
     type 1, the record's length exactly the bytes read (at most FIRST_BYTES_MAX).
     _relay.c's is_client_hello is the same rule in C."""
-    return (first is not None and 6 <= len(first) <= FIRST_BYTES_MAX
-            and first[0] == _TLS_HANDSHAKE and first[5] == _CLIENT_HELLO
+    # The record type first: a cleartext first write fails there, at one len() call.
+    return (first is not None and len(first) >= 6 and first[0] == _TLS_HANDSHAKE
+            and first[5] == _CLIENT_HELLO and len(first) <= FIRST_BYTES_MAX
             and 5 + (first[3] << 8 | first[4]) == len(first))
 
 
@@ -72,19 +73,16 @@ class Leg:
     """One attempt for a client: an upstream socket, its reservation (held until attach),
     and the client's first bytes as this upstream has them."""
 
-    __slots__ = ("first", "res", "sent", "since", "sock")
+    __slots__ = ("address", "first", "res", "sent", "since", "sock")
 
     def __init__(self, sock: socket.socket, res: Reservation, first: bytes | None = None,
                  sent: int = 0) -> None:
         self.sock = sock
         self.res = res
+        self.address = res.address  # a slot, not a property: read on every connection
         self.first = first  # the client's first bytes, once read (None: not yet)
         self.sent = sent  # how many of them this upstream has
         self.since = 0.0  # when it got all of them (the answer's deadlines count from it)
-
-    @property
-    def address(self) -> str:
-        return self.res.address
 
     def close(self) -> None:
         self.sock.close()

@@ -344,11 +344,13 @@ class Proxy:
         answer). None: the client left (every attempt closed)."""
         reg = self._registry
         try:
-            pipe = self._pipe(client_sock, client, leg)
+            pipe = Pipe(client_sock, leg.sock, client_addr=client, upstream_addr=leg.address,
+                        relay=self.relay, pin=self._pin)
             if not self._answer.judges(leg):
                 # Nothing to wait for (one upstream, panic mode, no ClientHello, hedge
                 # off): what the client sent goes to this upstream, and the relay starts.
-                send_rest(leg)
+                if leg.first is not None and leg.sent < len(leg.first):
+                    send_rest(leg)
             else:
                 if self._judge_in_relay and pipe.can_judge():
                     # The common case with several upstreams: attached now, judged by the
