@@ -362,7 +362,8 @@ class Proxy:
                 if carrier is None:
                     return None
                 if carrier is not leg:
-                    leg, pipe = carrier, self._pipe(client_sock, client, carrier)
+                    leg = carrier  # first: the except below must close this one
+                    pipe = self._pipe(client_sock, client, carrier)
             if leg.first:
                 pipe.count_sent(len(leg.first))
             return leg, pipe if reg.attach(leg.res, pipe) else None, False
