@@ -114,6 +114,7 @@ class App:
                            # Resolved by the CLI; in-process instances (tests) from config.
                            relay=relay if relay is not None else resolve(config.relay),
                            dial_hedge_delay=config.dial_hedge_delay,
+                           answer_hedge_delay=config.answer_hedge_delay,
                            on_accept_loop=self._accept_turned)
         # --rebalance-interval: its own thread, only when on (upstreams/rebalancer.py).
         self.rebalancer = (Rebalancer(self.registry, interval=config.rebalance_interval,

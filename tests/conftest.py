@@ -15,6 +15,7 @@ import trustme
 from extractedprism.app import App
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.config.table import Config
+from tests.fakes.answering import Fake
 from tests.fakes.fake_apiserver import FakeApiServer
 from tests.fakes.upstream import EchoServer, IdentityServer
 
@@ -164,3 +165,16 @@ def ca() -> trustme.CA:
     """A run-time CA that signs the fake upstreams' serving certificates (one a module)."""
     return trustme.CA()
 
+
+@pytest.fixture
+def fakes() -> Iterator[Callable[..., Fake]]:
+    made: list[Fake] = []
+
+    def factory(*args, **kwargs) -> Fake:  # type: ignore[no-untyped-def]
+        f = Fake(*args, **kwargs)
+        made.append(f)
+        return f
+
+    yield factory
+    for f in made:
+        f.close()

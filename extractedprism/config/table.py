@@ -263,6 +263,17 @@ FLAGS: tuple[Flag, ...] = (
         checks=(NOT_NEGATIVE,),
     ),
     Flag(
+        "answer-hedge-delay",
+        "duration",
+        "1s",
+        "A new connection whose upstream has not answered the client's TLS ClientHello "
+        "within this delay sends the same ClientHello to one other pickable upstream too, "
+        "and the first to answer carries the connection (the other is closed once it "
+        "answers, or counts as a failed dial if it never does within --health-timeout); "
+        "only a complete ClientHello is ever sent twice; 0 turns this off",
+        checks=(NOT_NEGATIVE,),
+    ),
+    Flag(
         "handover-socket",
         "path",
         "",

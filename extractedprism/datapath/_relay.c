@@ -40,21 +40,24 @@
  * close_pair(fd1, fd2, reset): close both (SO_LINGER 0 first when reset, so each peer
  *   gets a reset); close() of a socket without a lingering wait returns at once.
  *
- * first_answer(client_fd, upstream_fd, timeout_ms, first) -> (answered, first): proxy.py's
- * silent-upstream check (see Proxy._first_answer) in one call with the GIL released:
- * wait for the client's first bytes (unless ``first`` is given: a silent upstream had
- * them), send them on, and give the upstream ``timeout_ms`` to answer or close.
+ * first_answer(client_fd, upstream_fd, timeout_ms, first[, sent]) -> (found, first): the
+ * first answer (datapath/first_answer.py) in one call with the GIL released: wait for the
+ * client's first bytes (unless ``first`` is given), send them on, and, only when they are
+ * a complete TLS ClientHello record, give the upstream ``timeout_ms`` (the hedge delay) to
+ * answer or close while watching the client. found: 0 SILENT (the caller may hedge the
+ * ClientHello), 1 ANSWERED (or nothing to judge: relay), 2 LEFT (the client closed or
+ * reset during the wait: close both, charge nobody).
  *
  * judged_relay(client_fd, upstream_fd, pipes, counters, timeout_ms, first[, pin[, sent]])
- *   -> (silent, first, errno, left_up, left_down, first_eof)
+ *   -> (found, first, errno, left_up, left_down, first_eof)
  *   first_answer and relay in one call, so a new connection costs its pipe thread one
- *   GIL round trip fewer (issue 16, item 3): when the upstream answers (or the check
- *   cannot judge), the relay starts at once, without going back to Python in between.
+ *   GIL round trip fewer (issue 16, item 3): when the upstream answers (or there is
+ *   nothing to judge), the relay starts at once, without going back to Python in between.
  *   sent: how many of ``first`` went to this upstream already (take_first, below).
- *   silent=1: the upstream said nothing within timeout_ms of the client's first bytes;
- *   nothing went back to the client, both sockets are untouched apart from O_NONBLOCK,
- *   and ``first`` holds the bytes to give the next upstream. silent=0: relayed as
- *   relay() does (the first bytes are counted in counters[0]); ``first`` is None.
+ *   found=SILENT or LEFT: nothing was relayed and nothing went back to the client; both
+ *   sockets are untouched apart from O_NONBLOCK, and ``first`` holds the client's first
+ *   bytes (all of them with this upstream). found=ANSWERED: relayed as relay() does (the
+ *   first bytes are counted in counters[0]); ``first`` is None.
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -353,30 +356,42 @@ static int64_t now_ms(void) {
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
-/* Wait up to ms for events on fd; >0 ready, 0 timed out (EINTR retried). */
-static int wait_fd(int fd, short events, int64_t deadline) {
-    for (;;) {
-        int64_t left = deadline - now_ms();
-        if (left <= 0) return 0;
-        struct pollfd p = {fd, events, 0};
-        int n = poll(&p, 1, (int)left);
-        if (n >= 0 || errno != EINTR) return n;
-    }
-}
-
 #define FIRST_MAX (16 * 1024) /* a TLS ClientHello is one record */
 
-/* 1 answered (or not judged), 0 silent; *n is the length of the first bytes in buf, of
- * which the first ``sent`` went to this upstream already (take_first). */
+/* What the first answer found (first_answer_nogil; proxy.py's first_answer.py says why). */
+#define SILENT 0   /* the upstream said nothing within the delay: the caller may hedge */
+#define ANSWERED 1 /* it answered or closed, or there is nothing to judge: relay */
+#define LEFT 2     /* the client closed or reset while it waited: close both */
+
+/* A complete TLS ClientHello record and nothing else (record type 22, handshake type 1,
+ * the whole record): the only first bytes another upstream may ever be given. */
+static int is_client_hello(const char *b, Py_ssize_t n) {
+    const unsigned char *u = (const unsigned char *)b;
+    return n >= 6 && n <= FIRST_MAX && u[0] == 22 && u[5] == 1 &&
+           5 + (((Py_ssize_t)u[3] << 8) | u[4]) == n;
+}
+
+/* The client became readable during the wait: LEFT on EOF or a reset, else ANSWERED (it
+ * sent more, so there is nothing left to hedge: the relay takes it). */
+static int client_moved(int cfd) {
+    char c;
+    ssize_t r = recv(cfd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) ? LEFT : ANSWERED;
+}
+
+/* SILENT, ANSWERED or LEFT; *n is the length of the first bytes in buf, of which the first
+ * ``sent`` went to this upstream already (take_first). Only a ClientHello is judged: any
+ * other first bytes are sent on and relayed at once (they may never go elsewhere). */
 static int first_answer_nogil(int cfd, int ufd, int timeout_ms, char *buf, Py_ssize_t *n,
                               int have_first, Py_ssize_t sent) {
     if (!have_first) {
         struct pollfd p[2] = {{cfd, POLLIN, 0}, {ufd, POLLIN, 0}};
         int r;
         do r = poll(p, 2, timeout_ms); while (r < 0 && errno == EINTR);
-        if (r <= 0 || p[1].revents) return 1; /* nothing from the client, or upstream first */
+        if (r <= 0 || p[1].revents) return ANSWERED; /* nothing from the client, or upstream first */
         ssize_t got = recv(cfd, buf, FIRST_MAX, MSG_DONTWAIT);
-        if (got <= 0) return 1; /* EOF, reset or nothing after all: the relay sees it */
+        if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) return LEFT;
+        if (got < 0) return ANSWERED; /* nothing after all: the relay waits for it */
         *n = got;
     }
     int64_t deadline = now_ms() + timeout_ms;
@@ -385,12 +400,24 @@ static int first_answer_nogil(int cfd, int ufd, int timeout_ms, char *buf, Py_ss
         if (w >= 0) {
             off += w;
         } else if (errno == EAGAIN || errno == EINTR) {
-            if (wait_fd(ufd, POLLOUT, deadline) <= 0) return 0;
+            /* The bytes belong to this upstream now, whatever it does: finish sending
+             * them, however long that takes (as the relay would). */
+            struct pollfd p = {ufd, POLLOUT, 0};
+            if (poll(&p, 1, -1) < 0 && errno != EINTR) return ANSWERED;
         } else {
-            return 1; /* the relay reports the upstream's error */
+            return ANSWERED; /* the relay reports the upstream's error */
         }
     }
-    return wait_fd(ufd, POLLIN, deadline) > 0;
+    if (!is_client_hello(buf, *n)) return ANSWERED;
+    for (;;) {
+        int64_t left = deadline - now_ms();
+        if (left <= 0) return SILENT;
+        struct pollfd p[2] = {{cfd, POLLIN, 0}, {ufd, POLLIN, 0}};
+        int r = poll(p, 2, (int)left);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 || p[1].revents) return ANSWERED;
+        if (p[0].revents) return client_moved(cfd);
+    }
 }
 
 /* ``first`` is None or bytes of at most FIRST_MAX, ``sent`` of them already sent: 0, or -1
@@ -414,6 +441,15 @@ static char *first_buffer(PyObject *first, char **owned) {
     return *owned = PyMem_RawMalloc(FIRST_MAX);
 }
 
+static PyObject *py_is_client_hello(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*:is_client_hello", &b)) return NULL;
+    int yes = is_client_hello(b.buf, b.len);
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(yes);
+}
+
 static PyObject *first_answer(PyObject *self, PyObject *args) {
     (void)self;
     int cfd, ufd, timeout_ms;
@@ -427,12 +463,12 @@ static PyObject *first_answer(PyObject *self, PyObject *args) {
     char *owned = NULL, *buf = first_buffer(first, &owned);
     if (buf == NULL) return PyErr_NoMemory();
     Py_ssize_t n = have ? PyBytes_GET_SIZE(first) : 0;
-    int answered;
+    int found;
     Py_BEGIN_ALLOW_THREADS
-    answered = first_answer_nogil(cfd, ufd, timeout_ms, buf, &n, have, have ? sent : 0);
+    found = first_answer_nogil(cfd, ufd, timeout_ms, buf, &n, have, have ? sent : 0);
     Py_END_ALLOW_THREADS
-    PyObject *out = have ? Py_BuildValue("(iO)", answered, first)
-                         : Py_BuildValue("(iy#)", answered, buf, n);
+    PyObject *out = have ? Py_BuildValue("(iO)", found, first)
+                         : Py_BuildValue("(iy#)", found, buf, n);
     PyMem_RawFree(owned);
     return out;
 }
@@ -489,13 +525,13 @@ static PyObject *judged_relay(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     Py_ssize_t n = have ? PyBytes_GET_SIZE(first) : 0;
-    int err = 0, silent = 0;
+    int err = 0, found = ANSWERED;
     Py_BEGIN_ALLOW_THREADS
     if (set_nonblocking(cfd) < 0 || set_nonblocking(ufd) < 0) {
         err = errno;
     } else {
-        silent = !first_answer_nogil(cfd, ufd, timeout_ms, buf, &n, have, have ? sent : 0);
-        if (!silent) {
+        found = first_answer_nogil(cfd, ufd, timeout_ms, buf, &n, have, have ? sent : 0);
+        if (found == ANSWERED) {
             /* Not needed for the relay: freed now, not at its end, or each long-lived
              * connection would keep a touched page (issue 16's idle-memory target). */
             PyMem_RawFree(owned);
@@ -511,12 +547,12 @@ static PyObject *judged_relay(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&counters);
     PyObject *out;
-    if (silent && have) /* the same bytes, for the next upstream */
-        out = Py_BuildValue("(iOinni)", 1, first, 0, (Py_ssize_t)0, (Py_ssize_t)0, 0);
-    else if (silent)
-        out = Py_BuildValue("(iy#inni)", 1, buf, n, 0, (Py_ssize_t)0, (Py_ssize_t)0, 0);
+    if (found != ANSWERED && have) /* the same bytes: the hedge may need them */
+        out = Py_BuildValue("(iOinni)", found, first, 0, (Py_ssize_t)0, (Py_ssize_t)0, 0);
+    else if (found != ANSWERED)
+        out = Py_BuildValue("(iy#inni)", found, buf, n, 0, (Py_ssize_t)0, (Py_ssize_t)0, 0);
     else
-        out = Py_BuildValue("(iOinni)", 0, Py_None, err, (Py_ssize_t)h[0].pending,
+        out = Py_BuildValue("(iOinni)", ANSWERED, Py_None, err, (Py_ssize_t)h[0].pending,
                             (Py_ssize_t)h[1].pending, first_eof);
     PyMem_RawFree(owned);
     return out;
@@ -530,13 +566,16 @@ static PyMethodDef methods[] = {
      "connect(family, host, port, options[, client_fd]) -> (fd, errno, first, sent): "
      "non-blocking connect started; connected at once, take_first(client_fd, fd) too."},
     {"first_answer", first_answer, METH_VARARGS,
-     "first_answer(client_fd, upstream_fd, timeout_ms, first) -> (answered, first)"},
+     "first_answer(client_fd, upstream_fd, timeout_ms, first[, sent]) -> (found, first): "
+     "0 silent, 1 answered (or not judged), 2 the client left"},
+    {"is_client_hello", py_is_client_hello, METH_VARARGS,
+     "is_client_hello(data) -> bool: data is one complete TLS ClientHello record"},
     {"take_first", take_first, METH_VARARGS,
      "take_first(client_fd, upstream_fd) -> (first, sent): first bytes read and sent on."},
     {"judged_relay", judged_relay, METH_VARARGS,
      "judged_relay(client_fd, upstream_fd, pipes, counters, timeout_ms, first[, pin[, sent]]) "
      "-> "
-     "(silent, first, errno, left_up, left_down, first_eof)\n\nfirst_answer, then relay "
+     "(found, first, errno, left_up, left_down, first_eof)\n\nfirst_answer, then relay "
      "when answered, in one call (GIL released)."},
     {"close_pair", close_pair, METH_VARARGS,
      "close_pair(fd1, fd2, reset): close both sockets (SO_LINGER 0 first if reset)."},

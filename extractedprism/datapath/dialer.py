@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 
+from extractedprism.datapath.offpath import Reaper
 from extractedprism.datapath.relay import PYTHON, Relay
 from extractedprism.datapath.sockopts import (
     addresses,
@@ -42,7 +43,6 @@ from extractedprism.datapath.sockopts import (
 )
 from extractedprism.errors import FD_ERRNOS
 from extractedprism.logs import connlog
-from extractedprism.threads import join_until
 from extractedprism.upstreams.registry import Registry
 from extractedprism.upstreams.reservation import Reservation
 
@@ -51,15 +51,18 @@ log = logging.getLogger(__name__)
 # Failures that repeat once per client during an outage: first line, then summaries.
 _dial_failed = connlog.RateLimited(log, logging.INFO, "dial failed")
 _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
-REAPER_IDLE_S = 2.0  # the reaper thread exits after this long with no losing dial
 
 
-class _Dial:
-    """One dial in flight: its reservation, its socket, the addresses still to try."""
+class Dial:
+    """One dial in flight: its reservation, its socket, the addresses still to try.
+    Parked on the reaper (offpath.Parked) when it loses a hedge."""
 
-    __slots__ = ("addrs", "deadline", "res", "sock", "timeout")
+    __slots__ = ("addrs", "deadline", "dialer", "res", "sock", "timeout")
+    events = _POLLOUT
 
-    def __init__(self, res: Reservation, deadline: float, timeout: float) -> None:
+    def __init__(self, dialer: Dialer, res: Reservation, deadline: float,
+                 timeout: float) -> None:
+        self.dialer = dialer
         self.res = res
         self.deadline = deadline
         self.timeout = timeout
@@ -71,8 +74,22 @@ class _Dial:
             self.sock.close()
             self.sock = None
 
+    def drop(self) -> None:
+        self.close()
+        self.res.release()
+
     def elapsed(self) -> float:
         return time.monotonic() - (self.deadline - self.timeout)
+
+    def finish(self, ready: bool) -> None:
+        # Connected: closed at once, and a success like any dial; failed: toward the
+        # streak. (A losing hostname dial tries no further addresses.)
+        exc: OSError | None = TimeoutError(errno.ETIMEDOUT, "timed out")
+        if ready:
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if self.sock else 0
+            exc = OSError(err, os.strerror(err)) if err else None
+        self.drop()
+        self.dialer.record(self.res.address, exc, duration=self.elapsed())
 
 
 class Dialer:
@@ -86,7 +103,7 @@ class Dialer:
         # A hedge that could only start after the dial gave up would never run.
         self._hedge = hedge_delay if 0 < hedge_delay < dial_timeout else 0.0
         self._stopping = stopping
-        self._reaper = _Reaper(self)
+        self._reaper = Reaper("dial-reaper")
 
     def shutdown(self, deadline: float) -> bool:
         """Stop the reaper (its losing dials are closed, not counted) and wait for it
@@ -131,7 +148,7 @@ class Dialer:
         attaches or releases it. (None, None): nothing answered, panic mode included.
         ``take_first_from``: the client's fd, whose first bytes a first dial that connects
         at once sends on itself (Reservation.first)."""
-        dials: list[_Dial] = []
+        dials: list[Dial] = []
         if self._native:
             won = self._fast(tried, dials, take_first_from)
             if won is not None:
@@ -146,7 +163,7 @@ class Dialer:
                 d.close()
                 d.res.release()
 
-    def _fast(self, tried: set[str], dials: list[_Dial], take_first_from: int
+    def _fast(self, tried: set[str], dials: list[Dial], take_first_from: int
               ) -> tuple[socket.socket, Reservation] | None:
         """The common case in the least Python, since it is on every new connection's
         way to its upstream: a numeric endpoint whose connect completes at once
@@ -156,41 +173,98 @@ class Dialer:
         res = self._registry.reserve(exclude=tried)
         if res is None:
             return None  # the general path finds nothing either: panic mode
-        target = native_target(res.endpoint)
-        if target is None:
-            res.release()  # a hostname: the general path resolves it
-            return None
-        tried.add(res.address)
-        started = time.monotonic()
-        fd, err, first, sent = native_connect(target, take_first_from)
-        if err == 0:
-            res.dial_seconds = time.monotonic() - started
-            res.first, res.sent = first, sent
-            return socket.socket(target[0], socket.SOCK_STREAM, 0, fd), res
-        if fd < 0:  # refused at once, say: counted, and the general path tries the next
-            self.record(res.address, OSError(err, os.strerror(err)),
-                        duration=time.monotonic() - started)
-            res.release()
-            return None
-        sock = socket.socket(target[0], socket.SOCK_STREAM, 0, fd)
-        if self._hedge:
-            d = _Dial(res, started + self._timeout, self._timeout)
-            d.sock = sock
-            dials.append(d)
-            return None
-        try:  # hedging off: wait for it here, within the dial timeout
-            wait_connected(sock, started + self._timeout - time.monotonic())
-        except OSError as exc:
-            sock.close()
-            self.record(res.address, exc, duration=time.monotonic() - started)
-            res.release()
-            return None
+        try:
+            target = native_target(res.endpoint)
+            if target is None:
+                res.release()  # a hostname: the general path resolves it
+                return None
+            tried.add(res.address)
+            started = time.monotonic()
+            fd, err, first, sent = native_connect(target, take_first_from)
+            if err == 0:
+                res.dial_seconds = time.monotonic() - started
+                res.first, res.sent = first, sent
+                return socket.socket(target[0], socket.SOCK_STREAM, 0, fd), res
+            if fd < 0:  # refused at once, say: counted, and the general path tries the next
+                self.record(res.address, OSError(err, os.strerror(err)),
+                            duration=time.monotonic() - started)
+                res.release()
+                return None
+            sock = socket.socket(target[0], socket.SOCK_STREAM, 0, fd)
+            if self._hedge:
+                d = Dial(self, res, started + self._timeout, self._timeout)
+                d.sock = sock
+                dials.append(d)
+                return None
+            try:  # hedging off: wait for it here, within the dial timeout
+                wait_connected(sock, started + self._timeout - time.monotonic())
+            except OSError as exc:
+                sock.close()
+                self.record(res.address, exc, duration=time.monotonic() - started)
+                res.release()
+                return None
+            except BaseException:
+                sock.close()
+                res.release()
+                raise
+            self.record(res.address, None, carries=res, duration=time.monotonic() - started)
+            return sock, res
         except BaseException:
-            sock.close()
-            res.release()
+            res.release()  # whatever raised, at whichever step: no reservation leaks
             raise
-        self.record(res.address, None, carries=res, duration=time.monotonic() - started)
-        return sock, res
+
+    # -- the first answer's hedge (first_answer.py): one more dial, never panic mode ----
+
+    def start(self, tried: set[str], poller: select.poll) -> tuple[Dial, bool] | None:
+        """Reserve a pickable upstream not in ``tried`` and start a non-blocking dial to
+        it: (dial, True) connected at once (its success recorded at attach), (dial,
+        False) in progress (registered in ``poller`` for POLLOUT; see progress()).
+        Failures at once are recorded and the next upstream is tried; None when nothing
+        pickable is left (no panic mode: the caller has an upstream already)."""
+        while True:
+            res = self._registry.reserve(exclude=tried)
+            if res is None:
+                return None
+            tried.add(res.address)
+            d = Dial(self, res, time.monotonic() + self._timeout, self._timeout)
+            try:
+                if self._begin(d, poller):
+                    self.record(res.address, None, carries=res, duration=d.elapsed())
+                    return d, True
+                if d.sock is not None:
+                    return d, False
+            except BaseException:
+                d.drop()
+                raise
+            res.release()  # failed at once (refused, say): counted in _begin
+
+    def progress(self, d: Dial, poller: select.poll, ready: bool) -> bool | None:
+        """A dial from start(): ``ready`` (poll said so) or its deadline may have passed.
+        True connected (unregistered; its success recorded at attach), False failed
+        (recorded, released), None still in progress."""
+        assert d.sock is not None
+        if ready:
+            err = d.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if not err:
+                poller.unregister(d.sock.fileno())
+                self.record(d.res.address, None, carries=d.res, duration=d.elapsed())
+                return True
+            self._failed_address(d, poller, OSError(err, os.strerror(err)))
+        elif time.monotonic() >= d.deadline:
+            self._give_up(d, poller, TimeoutError(errno.ETIMEDOUT, "timed out"))
+        else:
+            return None
+        if d.sock is None:
+            d.res.release()
+            return False
+        return None
+
+    def abandon(self, d: Dial, poller: select.poll) -> None:
+        """A dial from start() no longer needed: it runs on off the client's path (the
+        reaper records its outcome)."""
+        assert d.sock is not None
+        poller.unregister(d.sock.fileno())
+        self._reaper.adopt(d)
 
     def _connect_serial(self, tried: set[str]
                         ) -> tuple[socket.socket | None, Reservation | None]:
@@ -219,7 +293,7 @@ class Dialer:
         self.record(res.address, None, carries=res, duration=time.monotonic() - started)
         return sock
 
-    def _connect_hedged(self, tried: set[str], dials: list[_Dial]
+    def _connect_hedged(self, tried: set[str], dials: list[Dial]
                         ) -> tuple[socket.socket | None, Reservation | None]:
         hedge_at: float | None = None  # when the second dial may start
         poller = select.poll()
@@ -237,8 +311,12 @@ class Dialer:
                     hedge_at = None  # nothing to hedge to: wait for the dial in flight
                     continue
                 tried.add(res.address)
-                d = _Dial(res, now + self._timeout, self._timeout)
-                won = self._begin(d, poller)
+                d = Dial(self, res, now + self._timeout, self._timeout)
+                try:
+                    won = self._begin(d, poller)
+                except BaseException:
+                    d.drop()  # not in ``dials`` yet: connect()'s cleanup cannot see it
+                    raise
                 if won:
                     return self._won(d, dials, poller)
                 if d.sock is not None:
@@ -272,7 +350,7 @@ class Dialer:
                     if len(dials) == 1:
                         hedge_at = now  # the other one is slow already: hedge at once
 
-    def _begin(self, d: _Dial, poller: select.poll) -> bool:
+    def _begin(self, d: Dial, poller: select.poll) -> bool:
         """Start connecting ``d`` (resolving a hostname first); True if it connected at
         once. On a failure of every address, d.sock stays None and the failure is
         recorded."""
@@ -283,7 +361,7 @@ class Dialer:
             return False
         return self._next_address(d, poller, None)
 
-    def _next_address(self, d: _Dial, poller: select.poll, last: OSError | None) -> bool:
+    def _next_address(self, d: Dial, poller: select.poll, last: OSError | None) -> bool:
         while d.addrs:
             family, sockaddr = d.addrs.pop(0)
             try:
@@ -307,7 +385,7 @@ class Dialer:
                     duration=d.elapsed())
         return False
 
-    def _failed_address(self, d: _Dial, poller: select.poll, exc: OSError) -> None:
+    def _failed_address(self, d: Dial, poller: select.poll, exc: OSError) -> None:
         """This address refused or failed: the next one of the same upstream, if any."""
         assert d.sock is not None
         poller.unregister(d.sock.fileno())
@@ -317,13 +395,13 @@ class Dialer:
             assert d.sock is not None
             poller.register(d.sock.fileno(), _POLLOUT)
 
-    def _give_up(self, d: _Dial, poller: select.poll, exc: OSError) -> None:
+    def _give_up(self, d: Dial, poller: select.poll, exc: OSError) -> None:
         assert d.sock is not None
         poller.unregister(d.sock.fileno())
         d.close()
         self.record(d.res.address, exc, duration=d.elapsed())
 
-    def _won(self, d: _Dial, losers: list[_Dial], poller: select.poll
+    def _won(self, d: Dial, losers: list[Dial], poller: select.poll
              ) -> tuple[socket.socket, Reservation]:
         assert d.sock is not None
         self.record(d.res.address, None, carries=d.res, duration=d.elapsed())
@@ -354,115 +432,3 @@ class Dialer:
             if sock is not None:
                 return sock, res
         return None, None
-
-
-class _Reaper:
-    """The losing dials of hedged connects, run to their end on one thread."""
-
-    def __init__(self, dialer: Dialer) -> None:
-        self._dialer = dialer
-        self._lock = threading.Lock()
-        self._new: list[_Dial] = []
-        self._thread: threading.Thread | None = None
-        self._wake_r, self._wake_w = -1, -1
-        self._stopped = False
-
-    def adopt(self, d: _Dial) -> None:
-        with self._lock:
-            if self._stopped:
-                d.close()
-                d.res.release()
-                return
-            if self._thread is None:
-                self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-                self._thread = threading.Thread(name="dial-reaper", target=self._loop,
-                                                daemon=True)
-                self._thread.start()
-            self._new.append(d)
-            self._poke_locked()
-
-    def _poke_locked(self) -> None:
-        # Under the lock: the loop closes the pipe under it too, so this never writes
-        # to a closed (or reused) descriptor.
-        if self._wake_w >= 0:
-            try:
-                os.write(self._wake_w, b"x")
-            except BlockingIOError:
-                pass  # full: the loop wakes anyway
-
-    def stop(self, deadline: float) -> bool:
-        with self._lock:
-            self._stopped = True
-            t = self._thread
-            self._poke_locked()
-        return join_until([t], deadline)
-
-    def _loop(self) -> None:
-        with self._lock:
-            wake_r, wake_w = self._wake_r, self._wake_w  # this thread's; closed at its end
-        poller = select.poll()
-        poller.register(wake_r, select.POLLIN)
-        dials: dict[int, _Dial] = {}
-        try:
-            while True:
-                with self._lock:
-                    stopped = self._stopped
-                    new, self._new = self._new, []
-                for d in new:
-                    assert d.sock is not None
-                    dials[d.sock.fileno()] = d
-                    poller.register(d.sock.fileno(), _POLLOUT)
-                if stopped:
-                    return
-                now = time.monotonic()
-                wake = min((d.deadline for d in dials.values()), default=now + REAPER_IDLE_S)
-                events = poller.poll(max(0, (wake - now) * 1000 + 1))
-                for fd, _ in events:
-                    if fd == wake_r:
-                        try:
-                            os.read(wake_r, 512)
-                        except BlockingIOError:
-                            pass
-                        continue
-                    d = dials.pop(fd)
-                    poller.unregister(fd)
-                    err = d.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if d.sock else 0
-                    self._done(d, OSError(err, os.strerror(err)) if err else None)
-                now = time.monotonic()
-                for fd, d in list(dials.items()):
-                    if now >= d.deadline:
-                        del dials[fd]
-                        poller.unregister(fd)
-                        self._done(d, TimeoutError(errno.ETIMEDOUT, "timed out"))
-                if not dials and not events:
-                    # Idle: the thread (and its wake pipe) goes, so a proxy at rest has
-                    # exactly the threads it started with; the next loser starts another.
-                    with self._lock:
-                        if not self._new:
-                            self._thread = None
-                            self._wake_r = self._wake_w = -1
-                            return
-        finally:
-            for d in dials.values():  # shutdown: not counted
-                d.close()
-                d.res.release()
-            with self._lock:
-                if self._stopped:
-                    for d in self._new:
-                        d.close()
-                        d.res.release()
-                    self._new = []
-                if self._wake_r == wake_r:
-                    self._wake_r = self._wake_w = -1
-                os.close(wake_r)
-                os.close(wake_w)
-
-    def _done(self, d: _Dial, exc: OSError | None) -> None:
-        # Connected: closed at once, and a success like any dial; failed: toward the
-        # streak. (A losing hostname dial tries no further addresses.)
-        d.close()
-        d.res.release()
-        try:
-            self._dialer.record(d.res.address, exc, duration=d.elapsed())
-        except Exception:  # recording must never end the reaper
-            log.exception("recording a losing dial failed upstream=%s", d.res.address)

@@ -39,9 +39,8 @@ from array import array
 from collections.abc import Callable
 
 from extractedprism.datapath import native
-from extractedprism.datapath.firstbytes import first_answer
 from extractedprism.datapath.native import HAVE_SPLICE
-from extractedprism.datapath.relay import PYTHON, Relay
+from extractedprism.datapath.relay import ANSWERED, PYTHON, Relay
 
 log = logging.getLogger(__name__)
 
@@ -236,34 +235,32 @@ class Pipe:
         return self._closed and not self._graceful
 
     def count_sent(self, n: int) -> None:
-        """Bytes handed to the upstream outside the relay (a judged call's first bytes)."""
+        """Bytes handed to the upstream outside the relay (the client's first bytes, sent
+        by the dial or the first answer)."""
         self._counts[0] += n
 
-    def run_judged(self, timeout_ms: int, first: bytes | None, sent: int = 0) -> bytes | None:
-        """The silent-upstream check, then the relay, in one native call (the native
-        relay only; see Proxy._serve). Returns the client's first bytes when the upstream
-        stayed silent: nothing was relayed, both sockets stay open (the caller closes
-        the upstream and dials another with those bytes). None: relayed as run() does.
-        ``sent``: how many of ``first`` this upstream has already (take_first)."""
-        pipes = _thread_pipes() if self._mode == "splice" else None
-        if pipes is None:  # no spare descriptor for a kernel pipe: the two-step path
-            answered, first = first_answer(self.client_sock, self.upstream_sock, first,
-                                           dial_timeout=timeout_ms / 1000,
-                                           native_first=self._relay.first_answer, sent=sent)
-            if not answered:
-                return first
-            self._run_python()
-            return None
-        assert _judged is not None
+    def can_judge(self) -> bool:
+        """Can run_judged run here: the native relay with this thread's kernel pipes."""
+        return self._relay.native and self._mode == "splice" and _thread_pipes() is not None
+
+    def run_judged(self, timeout_ms: int, first: bytes | None, sent: int = 0
+                   ) -> tuple[int, bytes | None]:
+        """The first answer's wait (first_answer.wait_answer), then the relay, in one
+        native call (only where can_judge()). (ANSWERED, None): relayed as run() does.
+        (SILENT or LEFT, first): nothing was relayed, both sockets stay open, and the
+        upstream has all of the client's first bytes ``first``. ``sent``: how many of
+        ``first`` this upstream had already (take_first)."""
+        pipes = _thread_pipes()
+        assert _judged is not None and pipes is not None
         (up_r, up_w), (down_r, down_w) = pipes
         c, u = self.client_sock, self.upstream_sock
-        silent, first, err, left_up, left_down, first_eof = _judged(
+        found, first, err, left_up, left_down, first_eof = _judged(
             c.fileno(), u.fileno(), (up_r, up_w, down_r, down_w), self._counts, timeout_ms,
             first, self._pin, sent)
-        if silent:
-            return first
+        if found != ANSWERED:
+            return found, first
         self._native_done(err, left_up, left_down, first_eof)
-        return None
+        return ANSWERED, None
 
     def _run_native(self, pipes: list[tuple[int, int]]) -> None:
         """One blocking call for the life of the connection, GIL released throughout."""

@@ -39,11 +39,11 @@ from collections.abc import Callable
 
 from extractedprism.datapath import sched
 from extractedprism.datapath.dialer import Dialer
-from extractedprism.datapath.firstbytes import first_answer
+from extractedprism.datapath.first_answer import FirstAnswer, Leg, replayable, send_rest
 from extractedprism.datapath.listener import format_addr, has_opts, open_listener, set_accept_wake
 from extractedprism.datapath.pipe import Pipe
 from extractedprism.datapath.pool import PipePool
-from extractedprism.datapath.relay import Relay
+from extractedprism.datapath.relay import ANSWERED, LEFT, SILENT, Relay
 from extractedprism.datapath.sockopts import apply_sockopts
 from extractedprism.errors import FD_ERRNOS
 from extractedprism.logs import connlog
@@ -61,7 +61,7 @@ class Proxy:
     def __init__(self, registry: Registry, *, bind_address: str, bind_port: int,
                  dial_timeout: float, max_connections: int, relay: Relay,
                  pipe_sched: str = "batch", gil_cpu: str = "off",
-                 dial_hedge_delay: float = 0.0,
+                 dial_hedge_delay: float = 0.0, answer_hedge_delay: float = 1.0,
                  on_accept_loop: Callable[[], None] | None = None) -> None:
         self._registry = registry
         self._bind = (bind_address, bind_port)
@@ -72,7 +72,6 @@ class Proxy:
         self.gil_cpu = plan[0] if plan is not None else None
         # The byte copy every connection uses, fixed at start (relay.resolve).
         self.relay = relay
-        self._native_first = relay.first_answer
         self._take_first = relay.take_first
         # The native relay runs the silent-upstream check itself (Pipe.run_judged).
         self._judge_in_relay = relay.native
@@ -88,6 +87,10 @@ class Proxy:
         self._dialer = Dialer(registry, dial_timeout=dial_timeout,
                               hedge_delay=dial_hedge_delay, stopping=self._stopping,
                               relay=relay)
+        # The first answer of every new connection, and its hedge (first_answer.py).
+        self._answer = FirstAnswer(registry, self._dialer, hedge_delay=answer_hedge_delay,
+                                   health_timeout=dial_timeout,
+                                   native_first=relay.first_answer, stopping=self._stopping)
         # The acceptor stops when _accept_stop is set: at shutdown, at the start of a
         # shutdown drain (live connections keep being served), or when a successor
         # accepts on the listener instead (_handed_over: the shared socket is then
@@ -201,6 +204,7 @@ class Proxy:
             log.info("shutdown: force-closed connections count=%d", closed)
         threads = self.pipe_pool.stop()  # busy ones see _stopping when their connection ends
         ok = self._dialer.shutdown(deadline)
+        ok = self._answer.shutdown(deadline) and ok
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
@@ -267,119 +271,157 @@ class Proxy:
     # -- pipe threads (PipePool._worker_loop calls this) ----------------------------------
 
     def _serve(self, client_sock: socket.socket, client: str, me: threading.Thread) -> None:
+        """pick and dial -> first answer -> attach -> relay, each a step returning what
+        the next one takes."""
         if self._stopping.is_set():
             client_sock.close()
             return
         if self._client_opts is not False:
             apply_sockopts(client_sock)
-        tried: set[str] = set()
-        drain_retry = True
-        first: bytes | None = None  # the client's first bytes, once read (for a re-dial)
-        reg = self._registry
         debug = log.isEnabledFor(logging.DEBUG)  # per connection, never per byte
+        t0 = time.monotonic() if debug else 0.0
+        tried: set[str] = set()
+        first: bytes | None = None  # the client's first bytes, once read (for a replay)
+        retry = True
         while True:
-            t0 = time.monotonic() if debug else 0.0
-            upstream, res = self._dialer.connect(
-                tried, client_sock.fileno() if first is None and self._judge_in_relay else -1)
-            if upstream is None or res is None:
-                _no_upstream(client=client)
-                if not self._stopping.is_set():
-                    reg.record_no_upstream()  # connection_errors_total{upstream="none"}
+            leg = self._dial(client_sock, tried, first)
+            if leg is None:
+                self._turn_away(client_sock, client)
+                return
+            placed = self._place(client_sock, client, leg, tried)
+            if placed is None:  # the client left during the first answer
                 client_sock.close()
                 return
-            addr = res.address
-            with res:  # attach ends the reservation; anything raised before it too
-                pipe = Pipe(client_sock, upstream, client_addr=client, upstream_addr=addr,
-                            relay=self.relay, pin=self._pin)
-                attached = None
-                judge_ms = 0  # > 0: the relay call itself judges (Pipe.run_judged)
-                sent = 0  # of ``first``, already with this upstream
-                # Nowhere else to go, and nothing the client sent went elsewhere: the
-                # silent-upstream check could only delay this connection (a silent
-                # upstream keeps it either way), so the relay starts at once. A protocol
-                # whose server never speaks first (iperf3's data connections) would
-                # otherwise wait one dial timeout on a node with a single API server.
-                alone = res.alone and not res.panic
-                if self._judge_in_relay and not res.panic:
-                    if first is None:
-                        # The client's request, when it is there (the client speaks first),
-                        # goes to the upstream now, so the upstream works on it while
-                        # Python attaches the connection (new connections c=1: see
-                        # docs/performance.md); mostly the dial's own call did that.
-                        first, sent = res.first, res.sent
-                        if first is None:
-                            first, sent = self._take_first(  # type: ignore[misc]
-                                client_sock.fileno(), upstream.fileno())
-                    if alone and (first is None or sent == len(first)):
-                        pipe.count_sent(sent)
-                        attached = reg.attach(res, pipe)
-                    else:
-                        # The common case: attached now, judged by the relay's own first
-                        # call (Pipe.run_judged), one GIL round trip fewer per connection.
-                        attached = reg.attach_unjudged(res, pipe)
-                        if attached is not None:
-                            judge_ms = max(1, int(self._dial_timeout * 1000))
-                if attached is None:  # judged here first, unless there is nothing to judge
-                    if res.panic:
-                        if first:  # a silent upstream had them; nothing else to judge by
-                            self._first_answer(client_sock, upstream, first)
-                    elif not (alone and first is None):
-                        answered, first = self._first_answer(client_sock, upstream, first,
-                                                             sent)
-                        if not answered and reg.any_pickable(exclude=tried):
-                            # Connected, but silent (see the relay call's case below).
-                            upstream.close()
-                            self._silent(addr)
-                            continue
-                    attached = reg.attach(res, pipe)
-            if not attached:
-                upstream.close()
-                if drain_retry and not reg.closing:
-                    # The endpoint started draining while we dialed: one retry elsewhere.
-                    drain_retry = False
-                    if reg.any_pickable(exclude=tried):
-                        continue
-                if not reg.closing:  # its upstream drained away, and no other was left
-                    reg.record_no_upstream()
-                client_sock.close()
-                return
-            me.name = f"pipe-{client}->{addr}"
-            if debug:
-                connlog.opened(log, client, addr, time.monotonic() - t0)
-                t0 = time.monotonic()
-            silent = None
+            leg, pipe, judged = placed
+            if pipe is not None:
+                break
+            # Attach refused: its upstream started draining (or the proxy is closing)
+            # while we dialed. One retry elsewhere, if the first bytes may go elsewhere.
+            leg.sock.close()
+            reg = self._registry
+            if retry and not reg.closing and replayable(leg) and reg.any_pickable(
+                    exclude=tried):
+                retry, first = False, leg.first
+                continue
+            if not reg.closing:  # its upstream drained away, and no other was left
+                reg.record_no_upstream()
+            client_sock.close()
+            return
+        me.name = f"pipe-{client}->{leg.address}"
+        if debug:
+            connlog.opened(log, client, leg.address, time.monotonic() - t0)
+        self._relay_steps(client_sock, client, leg, pipe, judged, tried, debug)
+
+    def _dial(self, client_sock: socket.socket, tried: set[str], first: bytes | None
+              ) -> Leg | None:
+        """pick -> dial: a connected upstream (its reservation held), or None."""
+        native = self._judge_in_relay
+        upstream, res = self._dialer.connect(
+            tried, client_sock.fileno() if first is None and native else -1)
+        if upstream is None or res is None:
+            return None
+        if first is not None:  # a replay: the next step sends them
+            return Leg(upstream, res, first)
+        leg = Leg(upstream, res, res.first, res.sent)
+        if native and leg.first is None and not res.panic:
+            # The client's request, when it is there (the client speaks first), goes to
+            # the upstream now, so the upstream works on it while Python attaches the
+            # connection (new connections c=1: see docs/performance.md); mostly the
+            # dial's own call did that.
             try:
-                if judge_ms:
-                    silent = pipe.run_judged(judge_ms, first, sent)
-                    if silent is not None and not reg.any_pickable(exclude=tried):
-                        # Silent, but nothing else to give the bytes to: this one has
-                        # them already, and may still answer (as the two-step path does).
-                        pipe.count_sent(len(silent))
-                        silent = None
-                        pipe.run()
-                else:
+                leg.first, leg.sent = self._take_first(  # type: ignore[misc]
+                    client_sock.fileno(), upstream.fileno())
+            except BaseException:
+                leg.close()
+                raise
+        return leg
+
+    def _place(self, client_sock: socket.socket, client: str, leg: Leg, tried: set[str]
+               ) -> tuple[Leg, Pipe | None, bool] | None:
+        """first answer -> attach: (the leg carrying the connection, its attached Pipe or
+        None when attach was refused, whether the relay call still judges the first
+        answer). None: the client left (every attempt closed)."""
+        reg = self._registry
+        try:
+            pipe = Pipe(client_sock, leg.sock, client_addr=client, upstream_addr=leg.address,
+                        relay=self.relay, pin=self._pin)
+            if not self._answer.judges(leg):
+                # Nothing to wait for (one upstream, panic mode, no ClientHello, hedge
+                # off): what the client sent goes to this upstream, and the relay starts.
+                if leg.first is not None and leg.sent < len(leg.first):
+                    send_rest(leg)
+            else:
+                if self._judge_in_relay and pipe.can_judge():
+                    # The common case with several upstreams: attached now, judged by the
+                    # relay's own first call (Pipe.run_judged), one GIL round trip fewer.
+                    attached = reg.attach_unjudged(leg.res, pipe)
+                    if attached is not None:
+                        return leg, pipe if attached else None, True
+                carrier = self._answer.settle(client_sock, leg, tried)
+                if carrier is None:
+                    return None
+                if carrier is not leg:
+                    leg = carrier  # first: the except below must close this one
+                    pipe = self._pipe(client_sock, client, carrier)
+            if leg.first:
+                pipe.count_sent(len(leg.first))
+            return leg, pipe if reg.attach(leg.res, pipe) else None, False
+        except BaseException:
+            leg.close()
+            raise
+
+    def _pipe(self, client_sock: socket.socket, client: str, leg: Leg) -> Pipe:
+        return Pipe(client_sock, leg.sock, client_addr=client, upstream_addr=leg.address,
+                    relay=self.relay, pin=self._pin)
+
+    def _relay_steps(self, client_sock: socket.socket, client: str, leg: Leg, pipe: Pipe,
+                     judged: bool, tried: set[str], debug: bool) -> None:
+        """relay, until the connection ends. With ``judged``, the relay's first call
+        waits for the first answer itself; when it finds the upstream silent, the hedge
+        (FirstAnswer.race) picks the upstream that carries the connection, which is
+        attached and relayed in turn."""
+        reg = self._registry
+        t0 = time.monotonic() if debug else 0.0
+        found, first = ANSWERED, None
+        try:
+            if judged:
+                found, first = pipe.run_judged(self._answer.delay_ms, leg.first, leg.sent)
+                if found == SILENT and not self._answer.can_hedge(tried):
+                    # Nothing to hedge to: the one there is has the bytes, and may answer.
+                    pipe.count_sent(len(first or b""))
+                    found = ANSWERED
                     pipe.run()
-            finally:
-                reg.detach(addr, pipe)
-                if debug and silent is None:
-                    connlog.closed(log, pipe, t0)
-            if silent is None:
-                return
-            # Connected, but silent: a frozen process whose kernel still completes
-            # handshakes. Nothing went back to the client yet, so its first bytes go to
-            # the next upstream instead.
-            first = silent
-            upstream.close()
-            self._silent(addr)
+            else:
+                pipe.run()
+        except BaseException:
+            leg.sock.close()  # the relay raised before closing it (the pool closes the client)
+            raise
+        finally:
+            reg.detach(leg.address, pipe)
+            if debug and found == ANSWERED:
+                connlog.closed(log, pipe, t0)
+        if found == ANSWERED:
+            return
+        if found == LEFT:  # nothing sent elsewhere, nobody charged
+            leg.sock.close()
+            client_sock.close()
+            return
+        leg.first, leg.sent = first, len(first or b"")
+        leg.since = time.monotonic() - self._answer.hedge_delay
+        carrier = self._answer.race(client_sock, leg, tried)
+        if carrier is None:
+            client_sock.close()
+            return
+        pipe = self._pipe(client_sock, client, carrier)
+        pipe.count_sent(len(first or b""))
+        if not reg.attach(carrier.res if carrier.res.held else carrier.address, pipe):
+            carrier.close()
+            client_sock.close()
+            return
+        self._relay_steps(client_sock, client, carrier, pipe, False, tried, debug)
 
-    def _silent(self, addr: str) -> None:
-        """A connected upstream did not answer the client's first bytes: a failed dial."""
-        self._dialer.failed(addr, f"no answer within {self._dial_timeout:g}s "
-                            "of the client's first bytes")
-
-    def _first_answer(self, client: socket.socket, upstream: socket.socket,
-                      first: bytes | None, sent: int = 0) -> tuple[bool, bytes]:
-        """Hand the client's first bytes to a new upstream; did it answer within a dial
-        timeout? (firstbytes.first_answer)"""
-        return first_answer(client, upstream, first, dial_timeout=self._dial_timeout,
-                            native_first=self._native_first, sent=sent)
+    def _turn_away(self, client_sock: socket.socket, client: str) -> None:
+        _no_upstream(client=client)
+        if not self._stopping.is_set():
+            self._registry.record_no_upstream()  # connection_errors_total{upstream="none"}
+        client_sock.close()

@@ -13,10 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from extractedprism.datapath import native as native_ext
-from extractedprism.datapath.firstbytes import NativeFirstAnswer
 from extractedprism.errors import Error
 
 TakeFirst = Callable[[int, int], tuple[bytes | None, int]]
+# _relay.first_answer(client_fd, upstream_fd, timeout_ms, first, sent) -> (found, first)
+NativeFirstAnswer = Callable[[int, int, int, bytes | None, int], tuple[int, bytes]]
+# What a wait for the first answer found (first_answer.py; the same values as _relay.c's).
+SILENT = 0  # nothing within the delay: the ClientHello may be hedged
+ANSWERED = 1  # answered or closed, or nothing to judge: relay
+LEFT = 2  # the client closed or reset during the wait: close every attempt
 
 
 class RelayUnavailable(Error, RuntimeError):

@@ -103,9 +103,9 @@ def begin_connect(family: int, addr: tuple, native: bool = False  # type: ignore
 
 
 def native_target(endpoint: Endpoint) -> tuple[int, str, int] | None:
-    """(family, host, port) for the extension's connect, or None: a hostname, or no
-    extension."""
-    if _native_connect is None or endpoint.is_hostname:
+    """(family, host, port) for the extension's connect, or None: a hostname, a scoped
+    IPv6 address (``fe80::1%eth0``: the stdlib resolves the scope id), or no extension."""
+    if _native_connect is None or endpoint.is_hostname or "%" in endpoint.host:
         return None
     return _ip_family(endpoint.host), endpoint.host, endpoint.port
 

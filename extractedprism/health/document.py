@@ -16,11 +16,12 @@ endpoints only, as before),
 ``readiness``, ``ready_reason``, ``failures`` (current consecutive-failure streak),
 ``last_check_at``, ``last_check_error``, ``last_error_source`` (``probe`` or ``dial``),
 ``tier``, ``rtt_seconds``, ``active_connections``, ``total_connections``, ``bytes_up``
-(client to upstream), ``bytes_down``, and ``admin`` (the operator's action, its uid and
-time, or null); ``connection_share`` (its part of all live connections, 0 to 1),
-``fair_share`` (the connections it should hold by weight, while rebalancing or slow start
-is on and it is pickable, else null), ``weight`` (slow start's, 0.1 to 1; null when
-``--slow-start`` is 0) and ``rebalance_closes``.
+(client to upstream), ``bytes_down``, ``answer_hedges`` (``won``/``lost``/``silent``:
+connections whose first answer was hedged, as extractedprism_answer_hedges_total),
+``admin`` (the operator's action, its uid and time, or null); ``connection_share`` (its
+part of all live connections, 0 to 1), ``fair_share`` (the connections it should hold by
+weight, while rebalancing or slow start is on and it is pickable, else null), ``weight``
+(slow start's, 0.1 to 1; null when ``--slow-start`` is 0) and ``rebalance_closes``.
 
 Top level, ``rebalance``: ``enabled``, and while on ``interval_seconds``,
 ``quiet_seconds``, ``rounds``, ``closes``, ``last_round_at``, ``last_acted_at`` (the
@@ -94,6 +95,7 @@ def upstream_entry(u: UpstreamView, wall: _Clock, live: int = 0) -> dict[str, An
         "total_connections": u.total_connections,
         "bytes_up": u.bytes_up,
         "bytes_down": u.bytes_down,
+        "answer_hedges": {o: dict(u.answer_hedges).get(o, 0) for o in ("won", "lost", "silent")},
         "admin": admin,
         "connection_share": round(u.active_connections / live, 4) if live else 0.0,
         "fair_share": None if u.fair_share is None else round(u.fair_share, 2),

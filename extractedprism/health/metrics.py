@@ -132,6 +132,14 @@ class StateCollector(Collector):
             "Bytes proxied per upstream and direction (up: client to upstream)",
             labels=["upstream", "direction"],
         )
+        hedges = CounterMetricFamily(
+            PREFIX + "answer_hedges_total",
+            "Connections whose first answer was hedged (no answer to the client's TLS "
+            "ClientHello within --answer-hedge-delay), by upstream and its outcome: won "
+            "(carried the connection), lost (answered after the other), silent (never "
+            "answered within --health-timeout)",
+            labels=["upstream", "outcome"],
+        )
         errors.add_metric(["none"], snap.turned_away)
         for u in snap.upstreams:
             errors.add_metric([u.address], u.connection_errors)
@@ -140,7 +148,10 @@ class StateCollector(Collector):
             dials.add_metric([u.address], [(floatToGoString(b), n)
                                            for b, n in u.dials.cumulative()],
                              u.dials.total)
+            for outcome, n in u.answer_hedges:
+                hedges.add_metric([u.address, outcome], n)
         yield errors
+        yield hedges
         yield sent
         if snap.rebalance is not None:
             closes = CounterMetricFamily(

@@ -72,6 +72,8 @@ class Record:
     # Counters, exported at scrape time; they go when the record goes.
     total_connections: int = 0
     connection_errors: int = 0
+    # extractedprism_answer_hedges_total by outcome ("won", "lost", "silent")
+    answer_hedges: dict[str, int] = field(default_factory=dict)
     bytes_up: int = 0  # of finished connections
     bytes_down: int = 0
     sources: tuple[str, ...] = ()  # the providers listing it (roles.Roles)
@@ -123,7 +125,8 @@ class Record:
             last_check_at=self.last_check_at, draining_reason=_draining_reason(self),
             close_deadline=_close_deadline(self), admin=self.admin_mark,
             dials=self.dials.frozen(), weight=weight, fair_share=fair_share,
-            rebalance_closes=self.rebalance_closes)
+            rebalance_closes=self.rebalance_closes,
+            answer_hedges=tuple(sorted(self.answer_hedges.items())))
 
 
 def spread(ids: list[int], now: float, over: float) -> list[tuple[float, int]]:

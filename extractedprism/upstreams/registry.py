@@ -492,6 +492,13 @@ class Registry:
             fx.changes.append(Change("health", addr))
         return fx
 
+    def record_answer_hedge(self, addr: str, outcome: str) -> None:
+        """A hedged first answer's outcome for ``addr`` ("won", "lost", "silent")."""
+        with self.lock:
+            rec = self._ups.get(addr)
+            if rec is not None:
+                rec.answer_hedges[outcome] = rec.answer_hedges.get(outcome, 0) + 1
+
     # -- readiness-driven connection moves ----------------------------------------
 
     def _update_readiness_deadlines_locked(self, now: float, fx: Effects) -> None:

@@ -43,6 +43,11 @@ class Reservation:
         self.address = address
         self.endpoint = rec.endpoint
 
+    @property
+    def held(self) -> bool:
+        """Still counted: neither attached nor released."""
+        return self._rec is not None
+
     def take_locked(self) -> None:
         """End the reservation; the caller holds the registry lock."""
         rec, self._rec = self._rec, None

@@ -97,6 +97,9 @@ class UpstreamView:
     weight: float | None = None
     fair_share: float | None = None
     rebalance_closes: int = 0
+    # Connections whose first answer was hedged, by this upstream's outcome: "won",
+    # "lost" (answered after the other), "silent" (never within --health-timeout).
+    answer_hedges: tuple[tuple[str, int], ...] = ()
 
     @property
     def admin_drained(self) -> bool:

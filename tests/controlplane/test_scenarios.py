@@ -369,34 +369,50 @@ def test_etcd_down_for_10s(cluster, extractedprism, namespace):
 # --- SIGSTOP ----------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(180)
-def test_frozen_apiserver(cluster, extractedprism):
-    proxy = extractedprism(name="frozen")
-    wait_all_ready(proxy, cluster.endpoints, timeout=30)
-    victim = "api2"
+def _freeze(cluster: Any, proxy: harness.Proxy, victim: str, exclude_within: float,
+            read_timeout: float) -> tuple[float, harness.Sample, Any, float | None]:
+    """SIGSTOP ``victim`` under load (fresh connections and one keep-alive), wait for its
+    exclusion and 30 fresh connections after it, then SIGCONT it. (when stopped, the
+    sample that saw it excluded, the load's stats, its silent answer hedges)."""
     addr = cluster.endpoint(victim)
     sampler = Sampler(proxy.health_port).start()
     load = Load(proxy.port, cluster.ca, cluster.token(), keepalive=1, fresh=3,
-                read_timeout=2 * INTERVAL + TIMEOUT + 5).start()
+                read_timeout=read_timeout).start()
     try:
         wait_until(lambda: load.stats.ok >= 20, 30, message="load warmed up")
         t_stop = mono()
         cluster.stop(victim)
-        s_ex = sampler.wait_for(lambda s: excluded(s, addr), t_stop, 30, f"{addr} excluded")
+        s_ex = sampler.wait_for(lambda s: excluded(s, addr), t_stop, exclude_within,
+                                f"{addr} excluded")
         n_before = len(load.stats.fresh_latencies)
         wait_until(lambda: len(load.stats.fresh_latencies) >= n_before + 30, 30,
                    message="fresh connections after the exclusion")
+        silent = proxy.metric("extractedprism_answer_hedges_total", upstream=addr,
+                              outcome="silent")
     finally:
         cluster.cont(victim)
         stats = load.stop()
         sampler.stop()
+    return t_stop, s_ex, stats, silent
+
+
+def _baseline_p50(stats: Any, t_stop: float) -> float:
+    baseline = sorted(d for t0, d in stats.fresh_latencies if t0 < t_stop)
+    return baseline[len(baseline) // 2] if baseline else 0.0
+
+
+@pytest.mark.timeout(180)
+def test_frozen_apiserver(cluster, extractedprism):
+    proxy = extractedprism(name="frozen")
+    wait_all_ready(proxy, cluster.endpoints, timeout=30)
+    t_stop, s_ex, stats, _ = _freeze(cluster, proxy, "api2", 30,
+                                     read_timeout=2 * INTERVAL + TIMEOUT + 5)
     excl = s_ex.t - t_stop
     # Fresh connections opened while it was frozen, before and after its exclusion.
     during = [d for t0, d in stats.fresh_latencies if t0 >= t_stop]
     before_mark = [d for t0, d in stats.fresh_latencies if t_stop <= t0 < s_ex.t]
     after_mark = [d for t0, d in stats.fresh_latencies if t0 >= s_ex.t]
-    baseline = sorted(d for t0, d in stats.fresh_latencies if t0 < t_stop)
-    p50 = baseline[len(baseline) // 2] if baseline else 0.0
+    p50 = _baseline_p50(stats, t_stop)
     record("frozen (SIGSTOP)", excluded_after_s=r(excl),
            excluded_bound_s=2 * INTERVAL + TIMEOUT + SLACK,
            max_wait_before_mark_s=r(max(before_mark, default=0)),
@@ -408,6 +424,46 @@ def test_frozen_apiserver(cluster, extractedprism):
     assert max(after_mark, default=0) <= TIMEOUT + p50 + SLACK
     assert max(during, default=0) <= TIMEOUT + p50 + SLACK, (
         f"a new connection waited {max(during):.2f}s on the frozen apiserver")
+
+
+# The defaults a user gets (spec: --health-interval 20s, --health-timeout 15s;
+# --answer-hedge-delay 1s).
+DEFAULT_INTERVAL, DEFAULT_TIMEOUT, DEFAULT_HEDGE = 20.0, 15.0, 1.0
+
+
+@pytest.mark.timeout(240)
+def test_frozen_apiserver_with_the_default_intervals(cluster, extractedprism):
+    """Issue 22: with the default flags a SIGSTOPped API server costs a fresh connection
+    about the hedge delay (client-go's TLS handshake gives up after 10 s: the old check
+    waited --health-timeout, 15 s), and the second connection it swallows excludes it,
+    --health-timeout after that connection's ClientHello, long before the probes would
+    (2 x 20 s + 15 s)."""
+    proxy = extractedprism(name="frozen-defaults", interval=DEFAULT_INTERVAL,
+                           timeout=DEFAULT_TIMEOUT)
+    assert "--answer-hedge-delay" not in " ".join(proxy.args)  # its default, 1 s
+    wait_all_ready(proxy, cluster.endpoints, timeout=60)
+    victim = "api3"
+    addr = cluster.endpoint(victim)
+    # Two fresh connections land on it within a few seconds (3 threads, 1 in 3 picks);
+    # each parked attempt is judged --health-timeout after its ClientHello.
+    t_stop, s_ex, stats, silent = _freeze(cluster, proxy, victim, DEFAULT_TIMEOUT + 10,
+                                          read_timeout=DEFAULT_TIMEOUT + 5)
+    excl = s_ex.t - t_stop
+    during = [d for t0, d in stats.fresh_latencies if t0 >= t_stop]
+    p50 = _baseline_p50(stats, t_stop)
+    wait_bound = DEFAULT_HEDGE + p50 + 0.5  # "about 1.5 s"
+    record("frozen (SIGSTOP), default intervals", excluded_after_s=r(excl),
+           excluded_bound_s=DEFAULT_TIMEOUT + 10, max_fresh_wait_s=r(max(during, default=0)),
+           wait_bound_s=r(wait_bound), baseline_p50_s=r(p50), silent_hedges=silent,
+           requests_ok=stats.ok, requests_failed=stats.failed,
+           fresh_requests_while_frozen=len(during))
+    assert max(during, default=0) <= wait_bound, (
+        f"a new connection waited {max(during):.2f}s on the frozen apiserver")
+    # Excluded by the silent connections (the reason says so), not by the probes.
+    lines = [ln for ln in proxy.log().splitlines() if "->unhealthy" in ln and addr in ln]
+    assert lines and "ClientHello" in lines[0], lines
+    assert silent is not None and silent >= 2
+    assert excl <= DEFAULT_TIMEOUT + 10, f"excluded after {excl:.2f}s"
 
 
 # --- compaction ------------------------------------------------------------------------

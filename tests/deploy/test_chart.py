@@ -70,6 +70,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "gil-cpu": "off",
     "relay": "python",
     "dial-hedge-delay": "0s",
+    "answer-hedge-delay": "3s",
     "handover-socket": "/run/ep/handover.sock",
     "shutdown-drain-timeout": "5s",
     "state-file": "/var/lib/ep/state.json",

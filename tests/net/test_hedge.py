@@ -14,6 +14,7 @@ import pytest
 
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.datapath import dialer as dialer_mod
+from extractedprism.datapath import offpath
 from extractedprism.upstreams.state import ProbeResult
 from tests.util import read_line, wait_until
 
@@ -105,7 +106,7 @@ def test_black_holed_upstream_costs_the_hedge_delay_and_reaches_its_streak(
         assert str(hole) not in dials[before:]
         # With no losing dial left, the reaper thread goes: threads back to the baseline.
         wait_until(lambda: not any(t.name == "dial-reaper" for t in threading.enumerate()),
-                   DIAL_TIMEOUT + dialer_mod.REAPER_IDLE_S + 5, message="the reaper gone")
+                   DIAL_TIMEOUT + offpath.IDLE_S + 5, message="the reaper gone")
 
 
 def test_hedge_off_waits_for_the_dial_timeout(make_app, servers):

@@ -231,6 +231,7 @@ pipe-sched: pipeSched
 gil-cpu: gilCpu
 relay: relay
 dial-hedge-delay: dialHedgeDelay
+answer-hedge-delay: answerHedgeDelay
 handover-socket: handoverSocket
 shutdown-drain-timeout: shutdownDrainTimeout
 state-file: stateFile

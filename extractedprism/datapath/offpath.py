@@ -1,0 +1,146 @@
+"""Reaper: sockets kept off a client's path until they finish, all on one thread.
+
+A client connection sometimes starts two attempts and uses one: a hedged dial
+(dialer.py) or a hedged first answer (first_answer.py). The other attempt is not
+abandoned, since its outcome is the news about its upstream (a dial that never
+connects, an upstream that never answers). It is parked here instead of holding the
+pipe thread: one thread per kind waits on every parked socket in one ``poll`` until it
+is ready or its deadline passes, then tells the item (``finish``), which records the
+outcome and closes the socket. The thread exits after ``IDLE_S`` with nothing parked, so
+a proxy at rest has exactly the threads it started with; the next park starts another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from typing import Protocol
+
+from extractedprism.threads import join_until
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 2.0  # the thread exits after this long with nothing parked
+
+
+class Parked(Protocol):
+    """A socket waiting off the client's path."""
+
+    sock: socket.socket | None
+    deadline: float  # time.monotonic(): finish(False) then
+    events: int  # what it waits for (poll events)
+
+    def finish(self, ready: bool) -> None:
+        """Ready (an event) or not (the deadline passed): record, close, release."""
+
+    def drop(self) -> None:
+        """Shutdown: close and release, recording nothing."""
+
+
+class Reaper:
+    """Parked sockets, run to their end on one thread named ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._new: list[Parked] = []
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = -1, -1
+        self._stopped = False
+
+    def adopt(self, item: Parked) -> None:
+        with self._lock:
+            if self._stopped:
+                item.drop()
+                return
+            if self._thread is None:
+                self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                self._thread = threading.Thread(name=self._name, target=self._loop,
+                                                daemon=True)
+                self._thread.start()
+            self._new.append(item)
+            self._poke_locked()
+
+    def _poke_locked(self) -> None:
+        # Under the lock: the loop closes the pipe under it too, so this never writes
+        # to a closed (or reused) descriptor.
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # full: the loop wakes anyway
+
+    def stop(self, deadline: float) -> bool:
+        """Stop (parked sockets are dropped, not recorded) and wait for the thread until
+        ``deadline`` (``time.monotonic()``), the shutdown's one deadline."""
+        with self._lock:
+            self._stopped = True
+            t = self._thread
+            self._poke_locked()
+        return join_until([t], deadline)
+
+    def _loop(self) -> None:
+        with self._lock:
+            wake_r, wake_w = self._wake_r, self._wake_w  # this thread's; closed at its end
+        poller = select.poll()
+        poller.register(wake_r, select.POLLIN)
+        items: dict[int, Parked] = {}
+        try:
+            while True:
+                with self._lock:
+                    stopped = self._stopped
+                    new, self._new = self._new, []
+                for item in new:
+                    assert item.sock is not None
+                    items[item.sock.fileno()] = item
+                    poller.register(item.sock.fileno(), item.events)
+                if stopped:
+                    return
+                now = time.monotonic()
+                wake = min((i.deadline for i in items.values()), default=now + IDLE_S)
+                events = poller.poll(max(0, (wake - now) * 1000 + 1))
+                for fd, _ in events:
+                    if fd == wake_r:
+                        try:
+                            os.read(wake_r, 512)
+                        except BlockingIOError:
+                            pass
+                        continue
+                    poller.unregister(fd)
+                    self._finish(items.pop(fd), True)
+                now = time.monotonic()
+                for fd, item in list(items.items()):
+                    if now >= item.deadline:
+                        del items[fd]
+                        poller.unregister(fd)
+                        self._finish(item, False)
+                if not items and not events:
+                    with self._lock:
+                        if not self._new:
+                            self._thread = None
+                            self._wake_r = self._wake_w = -1
+                            return
+        finally:
+            for item in items.values():  # shutdown: not counted
+                item.drop()
+            with self._lock:
+                if self._stopped:
+                    for item in self._new:
+                        item.drop()
+                    self._new = []
+                if self._wake_r == wake_r:
+                    self._wake_r = self._wake_w = -1
+                os.close(wake_r)
+                os.close(wake_w)
+
+    @staticmethod
+    def _finish(item: Parked, ready: bool) -> None:
+        try:
+            item.finish(ready)
+        except Exception:  # recording must never end the reaper
+            log.exception("finishing a parked socket failed")
+            item.drop()
