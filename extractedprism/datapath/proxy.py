@@ -152,7 +152,6 @@ class Proxy:
     def start(self) -> None:
         if self._listener is None:
             self.bind()
-        self.pipe_pool.start()
         self._acceptor = threading.Thread(name="acceptor", target=self._accept_loop,
                                           daemon=True)
         self._acceptor.start()
