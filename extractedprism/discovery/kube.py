@@ -19,6 +19,14 @@ Where the client connects (spec, "Endpoint discovery"):
   target is loopback.
 * neither: :func:`build_client` returns None and the caller runs static-only.
 
+Two transports make the same two GETs. With ``--kubeconfig`` the ``kubernetes`` package
+reads the file (contexts, exec plugins, client certificates) and makes the calls; it is
+imported only then, because its ``__init__`` imports every API model (18 MB and half a
+second, on every node). In a cluster, :class:`InClusterApi` makes the calls itself over
+urllib3, set up the way that package's ``ApiClient`` sets it up for this configuration
+(the same pool arguments, so the same urllib3 retries and timeouts, the same URL,
+query order and headers): the wire does not tell the two apart.
+
 Why not ``kubernetes.watch.Watch.stream``: it re-opens a watch by itself after a 410
 ERROR event and after every clean end unless ``timeout_seconds`` is passed, and it
 crashes on a line that is not JSON or an event without ``object`` (kubernetes 37.0.2,
@@ -36,14 +44,13 @@ import json
 import logging
 import os
 import socket
+import ssl
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
+from urllib.parse import quote
 
 import urllib3
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
-from kubernetes.client.exceptions import ApiException
 
 from extractedprism import __version__
 from extractedprism.config.table import Config
@@ -52,7 +59,18 @@ from extractedprism.errors import Error
 log = logging.getLogger(__name__)
 
 NAMESPACE = "default"
+SLICES_PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
 LABEL_SELECTOR = "kubernetes.io/service-name=kubernetes"
+USER_AGENT = f"extractedprism/{__version__}"
+# The list/watch parameters by their Python name (the kubernetes client's keyword) and
+# wire name, in the order that client writes them into the query string.
+QUERY_NAMES = (("allow_watch_bookmarks", "allowWatchBookmarks"),
+               ("label_selector", "labelSelector"),
+               ("resource_version", "resourceVersion"),
+               ("timeout_seconds", "timeoutSeconds"),
+               ("watch", "watch"))
+# What an error answer's body contributes to the error's message, at most.
+ERROR_BODY_BYTES = 4096
 TLS_SERVER_NAME = "kubernetes.default.svc"
 DEFAULT_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 CONNECT_TIMEOUT = 10.0
@@ -101,6 +119,15 @@ class ClientConfigError(Error):
     """Discovery was configured (kubeconfig or service account) but cannot be used."""
 
 
+class ApiError(Error):
+    """A list or watch call answered with a status other than 2xx."""
+
+    def __init__(self, status: int, reason: str, body: str = "") -> None:
+        super().__init__(f"HTTP {status} {reason}" + (f": {body}" if body else ""))
+        self.status = status
+        self.reason = reason
+
+
 def proxy_url(bind_address: str, bind_port: int) -> str:
     """``https://host:port`` of this proxy's own listener, as the in-cluster client uses it."""
     host = bind_address.strip().strip("[]")
@@ -128,42 +155,105 @@ def _read_token(path: str) -> str:
     return token
 
 
-class _TokenFile:
-    """``refresh_api_key_hook``: re-read the projected token before every request."""
+def _query(params: dict[str, Any]) -> str:
+    # As the kubernetes client writes it: booleans lower case, values quoted with "/"
+    # kept (labelSelector=kubernetes.io/service-name%3Dkubernetes).
+    parts = []
+    for name, wire in QUERY_NAMES:
+        if name in params:
+            value = params[name]
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            parts.append(f"{wire}={quote(text)}")
+    return "&".join(parts)
+
+
+class Api(Protocol):
+    """One way to make the two calls: GET the slices with ``params`` (the kubernetes
+    client's keywords), ``timeout`` = (connect, read) seconds. Returns the open urllib3
+    response of a 2xx answer; raises :class:`ApiError` on any other status."""
+
+    host: str
+
+    def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class InClusterApi:
+    """The service account's way in, without the ``kubernetes`` package (module
+    docstring): urllib3 with the pool arguments that package's ``RESTClientObject``
+    derives from the in-cluster configuration (CA verified, ``kubernetes.default.svc``
+    as the server name, ``maxsize`` CPUs x 5, urllib3's default retries), and the token
+    file re-read before every request, so a rotated projected token is used at once
+    (unreadable: the last good token is kept, and a stale one gets 401)."""
+
+    def __init__(self, host: str, ca_path: str, token_path: str, token: str) -> None:
+        self.host = host
+        self._token_path = token_path
+        self._token = token
+        self._pool = urllib3.PoolManager(
+            cert_reqs=ssl.CERT_REQUIRED, ca_certs=ca_path, cert_file=None, key_file=None,
+            ca_cert_data=None, server_hostname=TLS_SERVER_NAME,
+            maxsize=(os.cpu_count() or 1) * 5)
+
+    def _fresh_token(self) -> str:
+        try:
+            self._token = _read_token(self._token_path)
+        except (OSError, ClientConfigError) as exc:
+            log.warning("service account token unreadable path=%s error=%s",
+                        self._token_path, exc)
+        return self._token
+
+    def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any:
+        headers = {"Accept": "application/json", "User-Agent": USER_AGENT,
+                   "authorization": f"Bearer {self._fresh_token()}"}
+        resp = self._pool.request(
+            "GET", f"{self.host}{SLICES_PATH}?{_query(params)}", headers=headers,
+            timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]),
+            preload_content=False)
+        if not 200 <= resp.status <= 299:
+            try:
+                body = resp.read(ERROR_BODY_BYTES, decode_content=False)
+            finally:
+                # Not back to the pool: the rest of the body is unread.
+                resp.close()
+                resp.release_conn()
+            raise ApiError(resp.status, resp.reason or "",
+                           body.decode("utf-8", errors="replace")[:200])
+        return resp
+
+    def close(self) -> None:
+        self._pool.clear()
+
+
+class KubeconfigApi:
+    """``--kubeconfig``'s way in: the ``kubernetes`` package reads the file (contexts,
+    exec plugins, client certificates) and makes the call; imported here, only then."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
+        from kubernetes import client as k8s_client
+        from kubernetes import config as k8s_config
 
-    def __call__(self, configuration: k8s_client.Configuration) -> None:
         try:
-            token = _read_token(self.path)
-        except (OSError, ClientConfigError) as exc:
-            # Keep the last good token; the request fails with 401 if it is stale.
-            log.warning("service account token unreadable path=%s error=%s", self.path, exc)
-            return
-        configuration.api_key["BearerToken"] = token
+            self._client = k8s_config.new_client_from_config(config_file=path,
+                                                             persist_config=False)
+        except Exception as exc:  # the loader raises many types (ConfigException, yaml, OSError)
+            raise ClientConfigError(f"kubeconfig {path}: {exc}") from exc
+        self._client.user_agent = USER_AGENT
+        self._slices = k8s_client.DiscoveryV1Api(self._client)
+        self.host = str(self._client.configuration.host)
 
+    def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any:
+        from kubernetes.client.exceptions import ApiException
 
-def in_cluster_configuration(config: Config, sa_dir: str) -> k8s_client.Configuration:
-    token_path = os.path.join(sa_dir, "token")
-    ca_path = os.path.join(sa_dir, "ca.crt")
-    try:
-        token = _read_token(token_path)
-        with open(ca_path, encoding="utf-8") as f:
-            if not f.read().strip():
-                raise ClientConfigError(f"CA file {ca_path} is empty")
-    except OSError as exc:
-        raise ClientConfigError(f"service account unreadable: {exc}") from exc
-    cfg = k8s_client.Configuration(
-        host=proxy_url(config.bind_address, config.bind_port),
-        ssl_ca_cert=ca_path,
-        tls_server_name=TLS_SERVER_NAME,
-    )
-    cfg.proxy = None  # never an environment proxy for our own loopback listener
-    cfg.api_key["BearerToken"] = token
-    cfg.api_key_prefix["BearerToken"] = "Bearer"
-    cfg.refresh_api_key_hook = _TokenFile(token_path)
-    return cfg
+        try:
+            return self._slices.list_namespaced_endpoint_slice(
+                NAMESPACE, **params, _preload_content=False, _request_timeout=timeout)
+        except ApiException as exc:
+            raise ApiError(int(exc.status or 0), str(exc.reason or "")) from exc
+
+    def close(self) -> None:
+        self._client.close()
 
 
 def build_client(config: Config, sa_dir: str | None = None) -> KubeClient | None:
@@ -173,20 +263,25 @@ def build_client(config: Config, sa_dir: str | None = None) -> KubeClient | None
     """
     sa_dir = sa_dir if sa_dir is not None else DEFAULT_SA_DIR
     if config.kubeconfig:
-        try:
-            api = k8s_config.new_client_from_config(
-                config_file=config.kubeconfig, persist_config=False
-            )
-        except Exception as exc:  # the loader raises many types (ConfigException, yaml, OSError)
-            raise ClientConfigError(f"kubeconfig {config.kubeconfig}: {exc}") from exc
+        api: Api = KubeconfigApi(config.kubeconfig)
         log.info("discovery client source=kubeconfig path=%s server=%s",
-                 config.kubeconfig, api.configuration.host)
+                 config.kubeconfig, api.host)
         return KubeClient(api)
     if has_service_account(sa_dir):
-        cfg = in_cluster_configuration(config, sa_dir)
+        token_path = os.path.join(sa_dir, "token")
+        ca_path = os.path.join(sa_dir, "ca.crt")
+        try:
+            token = _read_token(token_path)
+            with open(ca_path, encoding="utf-8") as f:
+                if not f.read().strip():
+                    raise ClientConfigError(f"CA file {ca_path} is empty")
+        except OSError as exc:
+            raise ClientConfigError(f"service account unreadable: {exc}") from exc
+        api = InClusterApi(proxy_url(config.bind_address, config.bind_port), ca_path,
+                           token_path, token)
         log.info("discovery client source=in-cluster server=%s tls_server_name=%s",
-                 cfg.host, TLS_SERVER_NAME)
-        return KubeClient(k8s_client.ApiClient(cfg))
+                 api.host, TLS_SERVER_NAME)
+        return KubeClient(api)
     return None
 
 
@@ -314,23 +409,17 @@ def _read_list_body(resp: Any) -> bytes:
 class KubeClient:
     """List and watch the ``kubernetes`` service's EndpointSlices in ``default``."""
 
-    def __init__(self, api: k8s_client.ApiClient) -> None:
+    def __init__(self, api: Api) -> None:
         self.api = api
-        api.user_agent = f"extractedprism/{__version__}"
-        self._discovery = k8s_client.DiscoveryV1Api(api)
 
     @property
     def host(self) -> str:
-        return str(self.api.configuration.host)
+        return self.api.host
 
     def list_slices(self) -> tuple[list[Any], str]:
         """(items in wire form, list resourceVersion). Raises on any failure."""
-        resp = self._discovery.list_namespaced_endpoint_slice(
-            NAMESPACE,
-            label_selector=LABEL_SELECTOR,
-            _preload_content=False,
-            _request_timeout=(CONNECT_TIMEOUT, LIST_READ_TIMEOUT),
-        )
+        resp = self.api.get({"label_selector": LABEL_SELECTOR},
+                            (CONNECT_TIMEOUT, LIST_READ_TIMEOUT))
         try:
             body = json.loads(_read_list_body(resp))
         except BaseException:
@@ -354,17 +443,12 @@ class KubeClient:
     def watch(self, resource_version: str, timeout_seconds: int) -> WatchStream:
         """Open a watch from ``resource_version``; raises Gone on HTTP 410, else on failure."""
         try:
-            resp = self._discovery.list_namespaced_endpoint_slice(
-                NAMESPACE,
-                label_selector=LABEL_SELECTOR,
-                watch=True,
-                resource_version=resource_version,
-                allow_watch_bookmarks=True,
-                timeout_seconds=timeout_seconds,
-                _preload_content=False,
-                _request_timeout=(CONNECT_TIMEOUT, timeout_seconds + WATCH_READ_SLACK),
-            )
-        except ApiException as exc:
+            resp = self.api.get(
+                {"allow_watch_bookmarks": True, "label_selector": LABEL_SELECTOR,
+                 "resource_version": resource_version, "timeout_seconds": timeout_seconds,
+                 "watch": True},
+                (CONNECT_TIMEOUT, timeout_seconds + WATCH_READ_SLACK))
+        except ApiError as exc:
             if exc.status == 410:
                 raise Gone(f"watch HTTP 410: {exc.reason}") from exc
             raise
