@@ -100,6 +100,21 @@ def run_subcommand(name: str, args: Sequence[str]) -> int:
         return exc.exit_status
 
 
+def _trim_heap() -> None:
+    """Give the heap the start-up freed back to the kernel (glibc's ``malloc_trim``).
+
+    Reading every module's code allocates and frees buffers that glibc keeps; this
+    process runs on every node for months, so the ~1 MiB is worth one call (measured
+    in docs/performance.md, "Footprint"). Without glibc (musl) there is nothing to do.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+
+
 SIGHUP_MESSAGE = "SIGHUP: configuration is read at start; restart to apply changes"
 
 
@@ -197,6 +212,7 @@ def _run(config: Config, relay: Relay) -> int:
         return 1
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
+    _trim_heap()
     # A bounded wait as well: a signal flagged by any other path is acted on within 1 s.
     while not stop.wait(1.0):
         pass

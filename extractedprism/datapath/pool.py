@@ -40,7 +40,7 @@ from extractedprism.datapath.pipe import release_thread_resources
 
 log = logging.getLogger(__name__)
 
-WARM_THREADS = 4  # parked threads an idle proxy keeps (a node's usual reconnects, no spawn)
+WARM_THREADS = 2  # parked threads an idle proxy keeps: a reconnect or two needs no spawn
 PIPE_IDLE_EXIT_S = 10.0  # pipe threads beyond WARM_THREADS idle this long exit
 WARM_RECHECK_S = 60.0  # a warm parked thread's longest sleep: an idle thread's wake-up rate
 PIPE_IDLE_RELEASE_S = 3.0  # a parked thread idle this long closes its kernel pipes
