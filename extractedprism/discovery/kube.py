@@ -22,10 +22,14 @@ Where the client connects (spec, "Endpoint discovery"):
 Two transports make the same two GETs. With ``--kubeconfig`` the ``kubernetes`` package
 reads the file (contexts, exec plugins, client certificates) and makes the calls; it is
 imported only then, because its ``__init__`` imports every API model (18 MB and half a
-second, on every node). In a cluster, :class:`InClusterApi` makes the calls itself over
-urllib3, set up the way that package's ``ApiClient`` sets it up for this configuration
-(the same pool arguments, so the same urllib3 retries and timeouts, the same URL,
-query order and headers): the wire does not tell the two apart.
+second, on every node). In a cluster, :class:`InClusterApi` makes the calls itself with
+``http.client`` (which the health server has loaded anyway; urllib3 would add a MiB to
+every node) and behaves as that package's urllib3 transport does for this configuration:
+the same URL, query order and headers byte for byte, one kept-alive connection reused
+while the server keeps it open, a request that fails before its answer (connect, TLS,
+send, or the wait for the status line) tried again up to three times at once, and a
+413/429/503 carrying ``Retry-After`` tried again after that delay (urllib3's default
+``Retry(3)``); the server never redirects its own clients, so no redirect is followed.
 
 Why not ``kubernetes.watch.Watch.stream``: it re-opens a watch by itself after a 410
 ERROR event and after every clean end unless ``timeout_seconds`` is passed, and it
@@ -39,18 +43,20 @@ logged), and always passes ``timeout_seconds``.
 from __future__ import annotations
 
 import contextlib
+import email.utils
+import http.client
 import ipaddress
 import json
 import logging
 import os
+import select
 import socket
 import ssl
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any, Protocol
-from urllib.parse import quote
-
-import urllib3
+from urllib.parse import quote, urlsplit
 
 from extractedprism import __version__
 from extractedprism.config.table import Config
@@ -71,6 +77,13 @@ QUERY_NAMES = (("allow_watch_bookmarks", "allowWatchBookmarks"),
                ("watch", "watch"))
 # What an error answer's body contributes to the error's message, at most.
 ERROR_BODY_BYTES = 4096
+# urllib3's default Retry(3), as the kubernetes client's transport uses it: a request
+# that fails before its answer is tried this many more times, at once; an answer of
+# these statuses with a Retry-After header is tried again after that many seconds
+# (capped as urllib3 caps it).
+RETRIES = 3
+RETRY_AFTER_STATUSES = (413, 429, 503)
+RETRY_AFTER_MAX_S = 21600.0
 TLS_SERVER_NAME = "kubernetes.default.svc"
 DEFAULT_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 CONNECT_TIMEOUT = 10.0
@@ -169,8 +182,9 @@ def _query(params: dict[str, Any]) -> str:
 
 class Api(Protocol):
     """One way to make the two calls: GET the slices with ``params`` (the kubernetes
-    client's keywords), ``timeout`` = (connect, read) seconds. Returns the open urllib3
-    response of a 2xx answer; raises :class:`ApiError` on any other status."""
+    client's keywords), ``timeout`` = (connect, read) seconds. Returns the open response
+    of a 2xx answer (``read1``, ``stream``, ``close``, ``release_conn`` and
+    ``connection.sock``, as urllib3's); raises :class:`ApiError` on any other status."""
 
     host: str
 
@@ -179,22 +193,79 @@ class Api(Protocol):
     def close(self) -> None: ...
 
 
+class RequestFailed(Error):
+    """A request failed before its answer, also after the retries."""
+
+
+class _Connection(http.client.HTTPConnection):
+    """HTTPS to ``host:port`` verified as, and with the SNI of, ``kubernetes.default.svc``
+    (http.client's HTTPSConnection verifies the host it dials)."""
+
+    default_port = 443  # the Host header names the port unless it is 443, as urllib3's
+
+    def __init__(self, host: str, port: int, context: ssl.SSLContext, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self._tls = context
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = self._tls.wrap_socket(self.sock, server_hostname=TLS_SERVER_NAME)
+
+
+class _Response:
+    """A 2xx answer being read (the part of urllib3's response the callers use); its
+    connection goes back to :class:`InClusterApi` when it was read to the end."""
+
+    def __init__(self, api: InClusterApi, conn: _Connection,
+                 resp: http.client.HTTPResponse) -> None:
+        self._api, self.connection, self._resp = api, conn, resp
+        self.status = resp.status
+        self._released = False
+
+    def read1(self, n: int) -> bytes:
+        return self._resp.read1(n)
+
+    def stream(self, amt: int, decode_content: bool = False) -> Iterator[bytes]:
+        # What has arrived, up to amt, as urllib3 yields a chunked body chunk by chunk.
+        while data := self._resp.read1(amt):
+            yield data
+
+    def close(self) -> None:
+        self._resp.close()
+        self.connection.close()
+
+    def release_conn(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        # Read to the end: closed, or a Content-Length body with nothing left (read1
+        # does not close the response at the end of a counted body).
+        done = self._resp.isclosed() or self._resp.length == 0
+        if done and not self._resp.will_close and self.connection.sock is not None:
+            self._resp.close()
+            self._api.keep(self.connection)
+        else:
+            self.connection.close()
+
+
 class InClusterApi:
     """The service account's way in, without the ``kubernetes`` package (module
-    docstring): urllib3 with the pool arguments that package's ``RESTClientObject``
-    derives from the in-cluster configuration (CA verified, ``kubernetes.default.svc``
-    as the server name, ``maxsize`` CPUs x 5, urllib3's default retries), and the token
-    file re-read before every request, so a rotated projected token is used at once
-    (unreadable: the last good token is kept, and a stale one gets 401)."""
+    docstring): TLS verified against the service account's CA as
+    ``kubernetes.default.svc``, and the token file re-read before every request, so a
+    rotated projected token is used at once (unreadable: the last good token is kept,
+    and a stale one gets 401)."""
 
     def __init__(self, host: str, ca_path: str, token_path: str, token: str) -> None:
         self.host = host
+        url = urlsplit(host)
+        self._addr = (url.hostname or "127.0.0.1", url.port or 443)
         self._token_path = token_path
         self._token = token
-        self._pool = urllib3.PoolManager(
-            cert_reqs=ssl.CERT_REQUIRED, ca_certs=ca_path, cert_file=None, key_file=None,
-            ca_cert_data=None, server_hostname=TLS_SERVER_NAME,
-            maxsize=(os.cpu_count() or 1) * 5)
+        # As urllib3 makes it: TLS 1.2 or newer, certificate and name verified.
+        self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        self._tls.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._tls.load_verify_locations(cafile=ca_path)
+        self._idle: _Connection | None = None  # kept alive between requests
 
     def _fresh_token(self) -> str:
         try:
@@ -204,26 +275,86 @@ class InClusterApi:
                         self._token_path, exc)
         return self._token
 
+    def keep(self, conn: _Connection) -> None:
+        """Keep a connection whose answer was read to the end, for the next request."""
+        old, self._idle = self._idle, conn
+        if old is not None:
+            old.close()
+
+    def _connection(self, connect_timeout: float) -> _Connection:
+        conn, self._idle = self._idle, None
+        if conn is not None and conn.sock is not None:
+            # Readable while idle: the server closed it (or sent garbage): not reusable.
+            readable, _, _ = select.select([conn.sock], [], [], 0)
+            if not readable:
+                return conn
+            conn.close()
+        return _Connection(self._addr[0], self._addr[1], self._tls, connect_timeout)
+
     def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any:
-        headers = {"Accept": "application/json", "User-Agent": USER_AGENT,
-                   "authorization": f"Bearer {self._fresh_token()}"}
-        resp = self._pool.request(
-            "GET", f"{self.host}{SLICES_PATH}?{_query(params)}", headers=headers,
-            timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]),
-            preload_content=False)
-        if not 200 <= resp.status <= 299:
+        target = f"{SLICES_PATH}?{_query(params)}"
+        retries = RETRIES
+        while True:
+            headers = {"Accept": "application/json", "User-Agent": USER_AGENT,
+                       "authorization": f"Bearer {self._fresh_token()}"}
+            conn = self._connection(timeout[0])
             try:
-                body = resp.read(ERROR_BODY_BYTES, decode_content=False)
+                if conn.sock is None:
+                    conn.connect()
+                assert conn.sock is not None
+                conn.sock.settimeout(timeout[1])
+                conn.request("GET", target, headers=headers)
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                conn.close()
+                if retries <= 0:
+                    raise RequestFailed(f"GET {self.host}{target} failed after "
+                                        f"{RETRIES} retries: {_reason(exc)}") from exc
+                retries -= 1
+                log.debug("kube request failed; retrying error=%s", _reason(exc))
+                continue
+            if 200 <= resp.status <= 299:
+                return _Response(self, conn, resp)
+            delay = _retry_after(resp) if resp.status in RETRY_AFTER_STATUSES else None
+            try:
+                body = resp.read(ERROR_BODY_BYTES) if delay is None else b""
+            except (OSError, http.client.HTTPException, ValueError):
+                body = b""
             finally:
-                # Not back to the pool: the rest of the body is unread.
-                resp.close()
-                resp.release_conn()
+                conn.close()  # the rest of the body is unread: not reusable
+            if delay is not None:
+                if retries <= 0:
+                    raise RequestFailed(f"GET {self.host}{target}: {resp.status} "
+                                        f"{resp.reason} after {RETRIES} retries")
+                retries -= 1
+                time.sleep(delay)
+                continue
             raise ApiError(resp.status, resp.reason or "",
                            body.decode("utf-8", errors="replace")[:200])
-        return resp
 
     def close(self) -> None:
-        self._pool.clear()
+        conn, self._idle = self._idle, None
+        if conn is not None:
+            conn.close()
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _retry_after(resp: http.client.HTTPResponse) -> float | None:
+    """Seconds of a Retry-After header (a number or an HTTP date), or None."""
+    value = resp.getheader("Retry-After")
+    if not value:
+        return None
+    if value.strip().isdigit():
+        seconds = float(int(value.strip()))
+    else:
+        parsed = email.utils.parsedate_tz(value)
+        if parsed is None:
+            return None
+        seconds = email.utils.mktime_tz(parsed) - time.time()
+    return min(max(seconds, 0.0), RETRY_AFTER_MAX_S)
 
 
 class KubeconfigApi:
@@ -287,7 +418,11 @@ def build_client(config: Config, sa_dir: str | None = None) -> KubeClient | None
 
 def _dropped(exc: BaseException) -> bool:
     """True for the ways a stream read fails when the connection goes away."""
-    return isinstance(exc, urllib3.exceptions.HTTPError | OSError | ValueError)
+    if isinstance(exc, http.client.HTTPException | OSError | ValueError):
+        return True
+    # urllib3 is loaded only by the kubernetes client (--kubeconfig), its transport.
+    urllib3 = sys.modules.get("urllib3")
+    return urllib3 is not None and isinstance(exc, urllib3.exceptions.HTTPError)
 
 
 class WatchStream:
