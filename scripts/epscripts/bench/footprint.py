@@ -513,10 +513,13 @@ class Run:
             while done < total and time.monotonic() < deadline:
                 secs = max(1, min(self.args.churn_slice, int(deadline - time.monotonic())))
                 res = subprocess.run(
-                    ["wrk", "-t", "1", "-c", "64", "-d", f"{secs}s", "--timeout", "2s",
+                    ["wrk", "-t", "1", "-c", "64", "-d", f"{secs}s", "--timeout", "2s", "--latency",
                      "-H", "Connection: close", f"http://127.0.0.1:{port}/"],
                     capture_output=True, text=True, timeout=secs + 30, check=False)
-                r = parse_wrk(res.stdout)
+                try:
+                    r = parse_wrk(res.stdout)
+                except ValueError as e:
+                    raise HarnessError(f"wrk: {e}: {res.stderr[-300:]}") from e
                 done += r["requests"]
                 now = sample(proc.popen.pid)
                 timeline.append({"connections": done, **now})
@@ -554,7 +557,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/bench footprint", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", default="extractedprism,ep-static,haproxy,nginx,go",
-                   help=f"comma-separated subset of {','.join(TARGETS)}")
+                   help=f"comma-separated subset of {','.join(TARGETS)} (empty: none, e.g. "
+                        "for --churn alone)")
     p.add_argument("--uptime", type=float, default=60.0,
                    help="seconds each target runs, probed, before the idle sample (default 60)")
     p.add_argument("--idle-conns", type=int, default=100,
@@ -594,6 +598,7 @@ def main(argv: list[str]) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     started = time.monotonic()
     load_before = os.getloadavg()
+    failed = False
     try:
         run.precompile()
         run.start_apis()
@@ -602,8 +607,8 @@ def main(argv: list[str]) -> int:
         if args.churn:
             run.churn()
     except HarnessError as e:
-        print(f"bench footprint: harness error: {e}", file=sys.stderr)
-        return 2
+        run.note(f"harness error: {e}")  # the figures so far are still written
+        failed = True
     finally:
         run.procs.stop_all()
         for api in run.apis:
@@ -621,7 +626,7 @@ def main(argv: list[str]) -> int:
     print()
     print(render(run.results, args.idle_conns))
     print(f"JSON: {out}")
-    return 0
+    return 2 if failed else 0
 
 
 def render(results: dict, n: int) -> str:
