@@ -501,7 +501,9 @@ class Run:
         try:
             if not wait_until(lambda: _connects(port) and _connects(up), 20):
                 raise HarnessError(f"churn target not listening: {self.procs.log_tail(proc)}")
-            idle_threads = settled(proc.popen.pid)["threads"]
+            # Idle: the threads of a proxy that has served nothing, plus the warm pipe
+            # threads the pool keeps once it has (datapath/pool.py WARM_THREADS).
+            idle_threads = settled(proc.popen.pid)["threads"] + warm_threads(env)
             for _ in range(1000):  # the first 1,000, one at a time
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                     s.sendall(b"GET / HTTP/1.0\r\n\r\n")
@@ -527,8 +529,15 @@ class Run:
                       f"{now['threads']}  ({r['rps']:.0f} conn/s, {r['errors']} errors)",
                       flush=True)
             t_end = time.monotonic()
-            back = wait_until(lambda: sample(proc.popen.pid)["threads"] <= idle_threads, 90,
-                              interval=0.5)
+            after: list[tuple[float, int, int]] = []  # (seconds after the churn, threads, RSS)
+
+            def back_to_idle() -> bool:
+                now = sample(proc.popen.pid)
+                after.append((round(time.monotonic() - t_end, 1), now["threads"],
+                              now["rss_kib"]))
+                return now["threads"] <= idle_threads
+
+            back = wait_until(back_to_idle, 90, interval=0.5)
             threads_back_s = round(time.monotonic() - t_end, 1) if back else None
             end = settled(proc.popen.pid)
         finally:
@@ -538,11 +547,20 @@ class Run:
             "asked": total, "connections": done, "idle_threads": idle_threads,
             "after_first_1000": first, "at_end": end,
             "rss_growth_kib": end["rss_kib"] - first["rss_kib"],
-            "threads_back_to_idle_s": threads_back_s, "timeline": timeline}
+            "threads_back_to_idle_s": threads_back_s, "timeline": timeline,
+            "after_churn": after}
         print(f"  RSS after the first 1,000: {mib(first['rss_kib'])} MiB; after {done}: "
               f"{mib(end['rss_kib'])} MiB ({end['rss_kib'] - first['rss_kib']:+d} KiB); "
               f"threads back to {idle_threads} after "
               f"{threads_back_s if back else 'more than 90'} s", flush=True)
+
+
+def warm_threads(env: dict) -> int:
+    """WARM_THREADS of the package the target runs (its PYTHONPATH)."""
+    code = "from extractedprism.datapath.pool import WARM_THREADS; print(WARM_THREADS)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=30, check=False)
+    return int(res.stdout.strip()) if res.returncode == 0 and res.stdout.strip() else 0
 
 
 def _connects(port: int) -> bool:
