@@ -22,6 +22,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from extractedprism import heap
 from extractedprism.errors import Error
 
 if TYPE_CHECKING:
@@ -98,21 +99,6 @@ def run_subcommand(name: str, args: Sequence[str]) -> int:
     except Error as exc:
         print(f"extractedprism {name}: {exc}", file=sys.stderr)
         return exc.exit_status
-
-
-def _trim_heap() -> None:
-    """Give the heap the start-up freed back to the kernel (glibc's ``malloc_trim``).
-
-    Reading every module's code allocates and frees buffers that glibc keeps; this
-    process runs on every node for months, so the ~1 MiB is worth one call (measured
-    in docs/performance.md, "Footprint"). Without glibc (musl) there is nothing to do.
-    """
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):
-        pass
 
 
 SIGHUP_MESSAGE = "SIGHUP: configuration is read at start; restart to apply changes"
@@ -212,7 +198,8 @@ def _run(config: Config, relay: Relay) -> int:
         return 1
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
-    _trim_heap()
+    # The start-up's freed heap back to the kernel (heap.py): ~1 MiB on every node.
+    heap.trim()
     # A bounded wait as well: a signal flagged by any other path is acted on within 1 s.
     while not stop.wait(1.0):
         pass

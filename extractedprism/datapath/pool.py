@@ -13,8 +13,9 @@ earn their keep, so an idle proxy costs a handful of sleeping threads, not a poo
   them parked.
 * ``_park``: a parked thread gives its kernel pipes back after ``PIPE_IDLE_RELEASE_S``;
   threads beyond ``WARM_THREADS`` leave the pool after ``idle_exit_s`` (the LIFO hand-off
-  keeps them the coldest). The warm ones then sleep ``WARM_RECHECK_S`` at a time: an idle
-  proxy's pipe threads wake at most once a minute.
+  keeps them the coldest); the last of them to leave gives the heap the burst freed back
+  to the kernel (``heap.trim``). The warm ones then sleep ``WARM_RECHECK_S`` at a time:
+  an idle proxy's pipe threads wake at most once a minute.
 * ``wait_for_slot``: at ``--max-connections`` live connections the acceptor stops
   accepting, so new clients wait in the kernel backlog (HAProxy's maxconn).
 
@@ -35,6 +36,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from extractedprism import heap
 from extractedprism.datapath import sched
 from extractedprism.datapath.pipe import release_thread_resources
 
@@ -246,7 +248,15 @@ class PipePool:
                     if w in self._parked and len(self._workers) > self.warm:
                         self._parked.remove(w)
                         self._workers.remove(w)
-                        return False
+                        last = len(self._workers) == self.warm
+                    else:
+                        last = None
+                if last is not None:
+                    if last:
+                        # The burst is over (the pool is back to its warm threads): give
+                        # the heap it freed back to the kernel, once (heap.py).
+                        heap.trim()
+                    return False
                 # One of the warm threads, or the acceptor just picked this thread and
                 # is about to release wake: sleep long (an idle proxy stays asleep).
                 wait = WARM_RECHECK_S

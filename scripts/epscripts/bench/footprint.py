@@ -31,14 +31,17 @@ idle proxied connections, each a TLS connection holding an open watch on an upst
 ``--churn N`` then runs N short proxied connections through ``ep-static`` (its
 upstreams: nginx on 127.0.0.1-3; wrk with ``Connection: close``, 64 at a time, in
 bounded slices of ``--churn-slice`` seconds, within ``--churn-seconds``), and reports RSS
-after the first 1,000 and at the end, and how long the thread count takes to return to
-its idle level. Everything is bounded in time and count; only loopback is used; every
-child runs in its own session and is killed by group on exit.
+after the first 1,000 (made 64 at a time too, once the pool is back to its warm
+threads) and at the end, and how long the thread count takes to return to its idle
+level (the threads of a proxy that served nothing, plus the pool's warm threads).
+Everything is bounded in time and count; only loopback is used; every child runs in its
+own session and is killed by group on exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import datetime as dt
 import json
@@ -504,11 +507,12 @@ class Run:
             # Idle: the threads of a proxy that has served nothing, plus the warm pipe
             # threads the pool keeps once it has (datapath/pool.py WARM_THREADS).
             idle_threads = settled(proc.popen.pid)["threads"] + warm_threads(env)
-            for _ in range(1000):  # the first 1,000, one at a time
-                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-                    s.sendall(b"GET / HTTP/1.0\r\n\r\n")
-                    while s.recv(4096):
-                        pass
+            # The first 1,000, 64 at a time as the churn runs them, then the pool back to
+            # its warm threads: the level the churn must come back to.
+            with concurrent.futures.ThreadPoolExecutor(64, "footprint-first") as pool:
+                list(pool.map(lambda _: _one_request(port), range(1000)))
+            wait_until(lambda: sample(proc.popen.pid)["threads"] <= idle_threads, 90,
+                       interval=0.5)
             first = settled(proc.popen.pid)
             done, timeline = 1000, [{"connections": 1000, **first}]
             deadline = time.monotonic() + self.args.churn_seconds
@@ -553,6 +557,14 @@ class Run:
               f"{mib(end['rss_kib'])} MiB ({end['rss_kib'] - first['rss_kib']:+d} KiB); "
               f"threads back to {idle_threads} after "
               f"{threads_back_s if back else 'more than 90'} s", flush=True)
+
+
+def _one_request(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.settimeout(10)
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        while s.recv(4096):
+            pass
 
 
 def warm_threads(env: dict) -> int:
