@@ -113,7 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
         return run_subcommand(args[0], args[1:])
-    # The proxy: from here on the flag machinery, logging and the server.
+    # The proxy: from here on the flag machinery, logging and the server. The malloc
+    # arenas are capped before any thread starts (heap.py).
+    heap.limit_arenas()
     from extractedprism.config.parser import parse_config
     from extractedprism.config.table import ConfigError
     from extractedprism.logs.setup import setup_logging, shutdown_logging

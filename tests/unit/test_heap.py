@@ -43,3 +43,18 @@ def test_without_malloc_trim_it_does_nothing(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(ctypes, "CDLL", no_libc)
     assert heap.trim() is False
     assert heap.trim() is False  # looked up once
+
+
+def test_limit_arenas_sets_glibc_arena_max(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int]] = []
+
+    class Libc:
+        def mallopt(self, param: int, value: int) -> int:
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(heap, "_libc", Libc)
+    assert heap.limit_arenas() is True
+    assert calls == [(-8, heap.ARENAS)]  # M_ARENA_MAX
+    monkeypatch.setattr(heap, "_libc", lambda: None)
+    assert heap.limit_arenas() is False
