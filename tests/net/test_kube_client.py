@@ -22,7 +22,7 @@ from extractedprism.config.endpoints import Endpoint
 from extractedprism.config.table import Config
 from extractedprism.discovery import kube
 from tests.fakes.fake_apiserver import FakeApiServer
-from tests.util import wait_until
+from tests.util import read_head, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,12 +76,9 @@ class Recorder:
 
     def _requests(self, tls: socket.socket) -> None:
         while True:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = tls.recv(4096)
-                if not chunk:
-                    return
-                head += chunk
+            head = read_head(tls)
+            if head is None:
+                return
             self.heads.append(head)
             answer = self._answer()
             if answer == HANG_UP:

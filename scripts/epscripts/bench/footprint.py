@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from epscripts.bench.config import HarnessError
-from epscripts.bench.parse import parse_wrk
+from epscripts.bench.parse import parse_wrk, settled_rss
 from epscripts.bench.services import Proc, Procs, nginx_config, raise_nofile
 from epscripts.common import ROOT, free_port, wait_until
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
@@ -244,17 +244,9 @@ def sample(leader: int) -> dict:
     return out
 
 
-def settled(leader: int, timeout: float = 10.0) -> dict:
-    """A sample once RSS stops moving (two readings 0.5 s apart within 64 KiB)."""
-    last = sample(leader)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = sample(leader)
-        if abs(now["rss_kib"] - last["rss_kib"]) <= 64:
-            return now
-        last = now
-    return last
+def settled(leader: int) -> dict:
+    """A sample of the group once its RSS stops moving."""
+    return settled_rss(leader, timeout=10.0, interval=0.5, read=sample)
 
 
 def mib(kib: int) -> float:
