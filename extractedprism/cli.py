@@ -9,32 +9,35 @@ before any port is opened, listing every problem in plain text; everything after
 logging set-up is a log line in the chosen format. A listener that cannot be opened
 exits 1 naming its flags and address. ``extractedprism NAME ...`` runs the subcommand
 NAME from :data:`SUBCOMMANDS` instead of the proxy.
+
+Imports are made where they are needed: a subcommand (``status``, ``admin``: typed by
+people, run in loops by scripts) loads its own module and nothing of the proxy's (no
+flag machinery, no logging set-up, no server), so it answers in tens of milliseconds.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import importlib
-import logging
-import os
-import resource
-import signal
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from extractedprism.config.parser import parse_config, unknown_env_vars
-from extractedprism.config.table import Config, ConfigError
-from extractedprism.errors import Error, ListenError
-from extractedprism.logs.logfmt import FATAL
-from extractedprism.logs.setup import setup_logging, shutdown_logging
-from extractedprism.logs.threaddump import grouped_dump
+from extractedprism import heap
+from extractedprism.errors import Error
 
 if TYPE_CHECKING:
+    import logging
+
+    from extractedprism.config.table import Config
     from extractedprism.datapath.relay import Relay
 
-log = logging.getLogger("extractedprism")
+
+def _log() -> logging.Logger:
+    """The CLI's logger; ``logging`` is imported by the proxy's path only."""
+    import logging
+
+    return logging.getLogger("extractedprism")
+
 
 # `extractedprism NAME args...` -> "module:function", called with args; returns the exit
 # status. Each subcommand's code lives in its own module, imported only when run.
@@ -46,6 +49,9 @@ SUBCOMMANDS: dict[str, str] = {
 
 
 def warn_unknown_env_vars(environ: Mapping[str, str]) -> None:
+    from extractedprism.config.parser import unknown_env_vars
+
+    log = _log()
     for name, closest in unknown_env_vars(environ):
         if closest:
             log.warning("unknown environment variable ignored; did you mean %s? "
@@ -55,6 +61,8 @@ def warn_unknown_env_vars(environ: Mapping[str, str]) -> None:
 
 
 def _raise_fd_limit() -> None:
+    import resource
+
     # Each connection needs two sockets (plus a reusable kernel pipe pair per pipe
     # thread); the soft limit is often 1024 while the hard limit is far higher.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -68,6 +76,11 @@ def _raise_fd_limit() -> None:
 
 def dump_threads(_signum: int = 0, _frame: object = None) -> None:
     """Log every thread's stack (SIGUSR1), identical stacks grouped, as one record."""
+    import logging
+
+    from extractedprism.logs.threaddump import grouped_dump
+
+    log = _log()
     text, threads, groups = grouped_dump()
     # Asked for explicitly, so shown whatever --log-level says (handle() skips the
     # level check, not the handlers).
@@ -93,13 +106,20 @@ SIGHUP_MESSAGE = "SIGHUP: configuration is read at start; restart to apply chang
 
 def on_sighup(_signum: int = 0, _frame: object = None) -> None:
     """One line per SIGHUP received, then carry on (the default action would exit)."""
-    log.warning(SIGHUP_MESSAGE)
+    _log().warning(SIGHUP_MESSAGE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
         return run_subcommand(args[0], args[1:])
+    # The proxy: from here on the flag machinery, logging and the server. The malloc
+    # arenas are capped before any thread starts (heap.py).
+    heap.limit_arenas()
+    from extractedprism.config.parser import parse_config
+    from extractedprism.config.table import ConfigError
+    from extractedprism.logs.setup import setup_logging, shutdown_logging
+
     try:
         config = parse_config(args, tuple(SUBCOMMANDS))
     except ConfigError as exc:
@@ -125,6 +145,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(config: Config, relay: Relay) -> int:
+    import faulthandler
+    import os
+    import signal
+    import threading
+
+    from extractedprism.errors import ListenError
+    from extractedprism.logs.logfmt import FATAL
+
+    log = _log()
     warn_unknown_env_vars(os.environ)
     # SIGUSR1: named stacks from the main thread. SIGUSR2: faulthandler's dump, which
     # works even when a thread holds the GIL and the main thread cannot run.
@@ -171,6 +200,8 @@ def _run(config: Config, relay: Relay) -> int:
         return 1
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
+    # The start-up's freed heap back to the kernel (heap.py): ~1 MiB on every node.
+    heap.trim()
     # A bounded wait as well: a signal flagged by any other path is acted on within 1 s.
     while not stop.wait(1.0):
         pass

@@ -39,6 +39,18 @@ def first_checks_recorded(servers: Iterable[Any]) -> bool:
     return all(s.accepted >= 2 for s in servers)
 
 
+def read_head(sock: socket.socket) -> bytes | None:
+    """An HTTP request or answer head (through the blank line, with whatever followed it
+    in the same read), or None when the peer closes first."""
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return None
+        head += chunk
+    return head
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago; another process may take it before it is bound
     again (see start_on_free_ports). Never use it as a port that must stay closed."""

@@ -2,17 +2,20 @@
 retirement.
 
 # policy
-Everything that decides how many threads there are lives here (a change of policy, such
-as threads on demand, is a change to this module only):
+Everything that decides how many threads there are lives here (a change of policy is a
+change to this module only). Threads are started on demand and kept only while they
+earn their keep, so an idle proxy costs a handful of sleeping threads, not a pool:
 
-* ``PRESTART_THREADS`` threads start with the pool (``start``), so a node's usual clients
-  need no thread start (one costs ~70 us and, under load, stalls the acceptor while the
-  new thread waits for the GIL).
-* ``dispatch`` hands each accepted socket to the most recently parked thread (LIFO), so
-  hot threads with warm stacks and kernel pipes do the work; with none parked it starts
-  one, up to the connection limit.
-* ``_park``: a parked thread gives its kernel pipes back after ``PIPE_IDLE_RELEASE_S``,
-  and threads beyond the pre-started ones retire after ``idle_exit_s``.
+* nothing is pre-started: ``dispatch`` hands each accepted socket to the most recently
+  parked thread (LIFO), so hot threads with warm stacks and kernel pipes do the work;
+  with none parked it starts one (~70 us), up to the connection limit. A burst of N
+  concurrent clients starts N threads once; the next burst within ``idle_exit_s`` finds
+  them parked.
+* ``_park``: a parked thread gives its kernel pipes back after ``PIPE_IDLE_RELEASE_S``;
+  threads beyond ``WARM_THREADS`` leave the pool after ``idle_exit_s`` (the LIFO hand-off
+  keeps them the coldest); the last of them to leave gives the heap the burst freed back
+  to the kernel (``heap.trim``). The warm ones then sleep ``WARM_RECHECK_S`` at a time:
+  an idle proxy's pipe threads wake at most once a minute.
 * ``wait_for_slot``: at ``--max-connections`` live connections the acceptor stops
   accepting, so new clients wait in the kernel backlog (HAProxy's maxconn).
 
@@ -33,13 +36,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from extractedprism import heap
 from extractedprism.datapath import sched
 from extractedprism.datapath.pipe import release_thread_resources
 
 log = logging.getLogger(__name__)
 
-PRESTART_THREADS = 64  # a node's usual clients (kubelet, proxies, CNI, daemons) without a spawn
-PIPE_IDLE_EXIT_S = 10.0  # pipe threads beyond PRESTART_THREADS idle this long exit
+WARM_THREADS = 2  # parked threads an idle proxy keeps: a reconnect or two needs no spawn
+PIPE_IDLE_EXIT_S = 10.0  # pipe threads beyond WARM_THREADS idle this long exit
+WARM_RECHECK_S = 60.0  # a warm parked thread's longest sleep: an idle thread's wake-up rate
 PIPE_IDLE_RELEASE_S = 3.0  # a parked thread idle this long closes its kernel pipes
 PIPE_THREAD_STACK = 256 * 1024  # copy loops are shallow; the default 8 MiB is address space
 SATURATED_WAIT_S = 0.5  # the acceptor's longest wait for a free slot between flag checks
@@ -84,7 +89,7 @@ class PipePool:
         self._sched = pipe_sched  # --pipe-sched, applied by each pipe thread to itself
         self._gil_cpu = gil_cpu  # --gil-cpu's CPU each pipe thread pins itself to, or None
         self._stopping = stopping
-        self._prestart = min(PRESTART_THREADS, max_connections)
+        self.warm = min(WARM_THREADS, max_connections)
         self.idle_exit_s = PIPE_IDLE_EXIT_S
         self._lock = threading.Lock()
         # Live connections (slots taken), under _lock.
@@ -98,15 +103,6 @@ class PipePool:
         self._workers: list[_Worker] = []  # every pipe thread, under _lock
         self._parked: list[_Worker] = []  # idle ones, most recently parked last
         self._seq = 0
-
-    def start(self) -> None:
-        """Start the pre-started threads (parked until the acceptor hands them work)."""
-        old = threading.stack_size(PIPE_THREAD_STACK)
-        try:
-            for _ in range(self._prestart):
-                self._spawn_worker()
-        finally:
-            threading.stack_size(old)
 
     def view(self) -> PoolView:
         with self._lock:
@@ -173,7 +169,7 @@ class PipePool:
         finally:
             threading.stack_size(old)
 
-    def _spawn_worker(self, item: tuple[socket.socket, str] | None = None) -> None:
+    def _spawn_worker(self, item: tuple[socket.socket, str]) -> None:
         w = _Worker()
         w.item = item
         with self._lock:
@@ -229,9 +225,9 @@ class PipePool:
         neither busy nor idle, so the acceptor starts a thread only when every thread
         serves a live connection, and a burst never starts more threads than there are
         connections alive at once. After a burst, a parked thread gives its kernel pipes
-        back after PIPE_IDLE_RELEASE_S, and threads beyond the pre-started ones leave the
-        pool after idle_exit_s (the LIFO hand-off keeps them the coldest), so threads
-        and descriptors return to the idle baseline.
+        back after PIPE_IDLE_RELEASE_S, and threads beyond ``warm`` leave the pool after
+        idle_exit_s, so threads and descriptors return to the idle baseline. Each timed
+        wait ends at most once per park, then once per WARM_RECHECK_S.
         """
         with self._lock:
             if served:
@@ -246,15 +242,24 @@ class PipePool:
             # Idle: the next connection makes fresh pipes (a few microseconds), so a
             # parked thread holds no descriptors.
             release_thread_resources()
-            rest = max(0.05, self.idle_exit_s - PIPE_IDLE_RELEASE_S)
-            while not w.wake.acquire(timeout=rest):
+            wait = max(0.05, self.idle_exit_s - PIPE_IDLE_RELEASE_S)
+            while not w.wake.acquire(timeout=wait):
                 with self._lock:
-                    if w in self._parked and len(self._workers) > self._prestart:
+                    if w in self._parked and len(self._workers) > self.warm:
                         self._parked.remove(w)
                         self._workers.remove(w)
-                        return False
-                # Still parked (pre-started), or the acceptor just picked this thread
-                # and is about to release wake: wait again.
+                        last = len(self._workers) == self.warm
+                    else:
+                        last = None
+                if last is not None:
+                    if last:
+                        # The burst is over (the pool is back to its warm threads): give
+                        # the heap it freed back to the kernel, once (heap.py).
+                        heap.trim()
+                    return False
+                # One of the warm threads, or the acceptor just picked this thread and
+                # is about to release wake: sleep long (an idle proxy stays asleep).
+                wait = WARM_RECHECK_S
         if w.item is None:  # shutdown
             with self._lock:
                 if w in self._workers:

@@ -5,9 +5,9 @@ The acceptor thread owns the listening socket. It counts live connections agains
 ``--max-connections`` (the pool's counter); at the limit it stops accepting, so
 new clients wait in the kernel backlog (HAProxy's maxconn) instead of piling up
 threads. Each accepted socket is handed straight to one parked pipe thread of the pipe
-pool (pool.py holds the pool's policy: LIFO hand-off, 64 pre-started threads, growth up
-to the limit, retirement when idle). Each pipe thread then does pick -> dial -> copy for
-its connection (``_serve``), so the acceptor never waits on an upstream.
+pool (pool.py holds the pool's policy: LIFO hand-off, threads started on demand up
+to the limit, a few kept warm, the rest retired when idle). Each pipe thread then does
+pick -> dial -> copy for its connection (``_serve``), so the acceptor never waits on an upstream.
 
 Dial failures never reach the client while another upstream is pickable: each failed
 dial counts toward that upstream's failure streak and the connection moves on, trying
@@ -155,7 +155,6 @@ class Proxy:
     def start(self) -> None:
         if self._listener is None:
             self.bind()
-        self.pipe_pool.start()
         self._acceptor = threading.Thread(name="acceptor", target=self._accept_loop,
                                           daemon=True)
         self._acceptor.start()

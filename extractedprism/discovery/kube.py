@@ -19,6 +19,18 @@ Where the client connects (spec, "Endpoint discovery"):
   target is loopback.
 * neither: :func:`build_client` returns None and the caller runs static-only.
 
+Two transports make the same two GETs. With ``--kubeconfig`` the ``kubernetes`` package
+reads the file (contexts, exec plugins, client certificates) and makes the calls; it is
+imported only then, because its ``__init__`` imports every API model (18 MB and half a
+second, on every node). In a cluster, :class:`InClusterApi` makes the calls itself with
+``http.client`` (which the health server has loaded anyway; urllib3 would add a MiB to
+every node) and behaves as that package's urllib3 transport does for this configuration:
+the same URL, query order and headers byte for byte, one kept-alive connection reused
+while the server keeps it open, a request that fails before its answer (connect, TLS,
+send, or the wait for the status line) tried again up to three times at once, and a
+413/429/503 carrying ``Retry-After`` tried again after that delay (urllib3's default
+``Retry(3)``); the server never redirects its own clients, so no redirect is followed.
+
 Why not ``kubernetes.watch.Watch.stream``: it re-opens a watch by itself after a 410
 ERROR event and after every clean end unless ``timeout_seconds`` is passed, and it
 crashes on a line that is not JSON or an event without ``object`` (kubernetes 37.0.2,
@@ -31,19 +43,20 @@ logged), and always passes ``timeout_seconds``.
 from __future__ import annotations
 
 import contextlib
+import email.utils
+import http.client
 import ipaddress
 import json
 import logging
 import os
+import select
 import socket
+import ssl
+import sys
 import time
 from collections.abc import Iterator
-from typing import Any
-
-import urllib3
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
-from kubernetes.client.exceptions import ApiException
+from typing import Any, Protocol
+from urllib.parse import quote, urlsplit
 
 from extractedprism import __version__
 from extractedprism.config.table import Config
@@ -52,7 +65,25 @@ from extractedprism.errors import Error
 log = logging.getLogger(__name__)
 
 NAMESPACE = "default"
+SLICES_PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
 LABEL_SELECTOR = "kubernetes.io/service-name=kubernetes"
+USER_AGENT = f"extractedprism/{__version__}"
+# The list/watch parameters by their Python name (the kubernetes client's keyword) and
+# wire name, in the order that client writes them into the query string.
+QUERY_NAMES = (("allow_watch_bookmarks", "allowWatchBookmarks"),
+               ("label_selector", "labelSelector"),
+               ("resource_version", "resourceVersion"),
+               ("timeout_seconds", "timeoutSeconds"),
+               ("watch", "watch"))
+# What an error answer's body contributes to the error's message, at most.
+ERROR_BODY_BYTES = 4096
+# urllib3's default Retry(3), as the kubernetes client's transport uses it: a request
+# that fails before its answer is tried this many more times, at once; an answer of
+# these statuses with a Retry-After header is tried again after that many seconds
+# (capped as urllib3 caps it).
+RETRIES = 3
+RETRY_AFTER_STATUSES = (413, 429, 503)
+RETRY_AFTER_MAX_S = 21600.0
 TLS_SERVER_NAME = "kubernetes.default.svc"
 DEFAULT_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 CONNECT_TIMEOUT = 10.0
@@ -101,6 +132,15 @@ class ClientConfigError(Error):
     """Discovery was configured (kubeconfig or service account) but cannot be used."""
 
 
+class ApiError(Error):
+    """A list or watch call answered with a status other than 2xx."""
+
+    def __init__(self, status: int, reason: str, body: str = "") -> None:
+        super().__init__(f"HTTP {status} {reason}" + (f": {body}" if body else ""))
+        self.status = status
+        self.reason = reason
+
+
 def proxy_url(bind_address: str, bind_port: int) -> str:
     """``https://host:port`` of this proxy's own listener, as the in-cluster client uses it."""
     host = bind_address.strip().strip("[]")
@@ -128,42 +168,223 @@ def _read_token(path: str) -> str:
     return token
 
 
-class _TokenFile:
-    """``refresh_api_key_hook``: re-read the projected token before every request."""
+def _query(params: dict[str, Any]) -> str:
+    # As the kubernetes client writes it: booleans lower case, values quoted with "/"
+    # kept (labelSelector=kubernetes.io/service-name%3Dkubernetes).
+    parts = []
+    for name, wire in QUERY_NAMES:
+        if name in params:
+            value = params[name]
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            parts.append(f"{wire}={quote(text)}")
+    return "&".join(parts)
+
+
+class Api(Protocol):
+    """One way to make the two calls: GET the slices with ``params`` (the kubernetes
+    client's keywords), ``timeout`` = (connect, read) seconds. Returns the open response
+    of a 2xx answer (``read1``, ``stream``, ``close``, ``release_conn`` and
+    ``connection.sock``, as urllib3's); raises :class:`ApiError` on any other status."""
+
+    host: str
+
+    def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class RequestFailed(Error):
+    """A request failed before its answer, also after the retries."""
+
+
+class _Connection(http.client.HTTPConnection):
+    """HTTPS to ``host:port`` verified as, and with the SNI of, ``kubernetes.default.svc``
+    (http.client's HTTPSConnection verifies the host it dials)."""
+
+    default_port = 443  # the Host header names the port unless it is 443, as urllib3's
+
+    def __init__(self, host: str, port: int, context: ssl.SSLContext, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self._tls = context
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = self._tls.wrap_socket(self.sock, server_hostname=TLS_SERVER_NAME)
+
+
+class _Response:
+    """A 2xx answer being read (the part of urllib3's response the callers use); its
+    connection goes back to :class:`InClusterApi` when it was read to the end."""
+
+    def __init__(self, api: InClusterApi, conn: _Connection,
+                 resp: http.client.HTTPResponse) -> None:
+        self._api, self.connection, self._resp = api, conn, resp
+        self.status = resp.status
+        self._released = False
+
+    def read1(self, n: int) -> bytes:
+        return self._resp.read1(n)
+
+    def stream(self, amt: int, decode_content: bool = False) -> Iterator[bytes]:
+        # What has arrived, up to amt, as urllib3 yields a chunked body chunk by chunk.
+        while data := self._resp.read1(amt):
+            yield data
+
+    def close(self) -> None:
+        self._resp.close()
+        self.connection.close()
+
+    def release_conn(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        # Read to the end: closed, or a Content-Length body with nothing left (read1
+        # does not close the response at the end of a counted body).
+        done = self._resp.isclosed() or self._resp.length == 0
+        if done and not self._resp.will_close and self.connection.sock is not None:
+            self._resp.close()
+            self._api.keep(self.connection)
+        else:
+            self.connection.close()
+
+
+class InClusterApi:
+    """The service account's way in, without the ``kubernetes`` package (module
+    docstring): TLS verified against the service account's CA as
+    ``kubernetes.default.svc``, and the token file re-read before every request, so a
+    rotated projected token is used at once (unreadable: the last good token is kept,
+    and a stale one gets 401)."""
+
+    def __init__(self, host: str, ca_path: str, token_path: str, token: str) -> None:
+        self.host = host
+        url = urlsplit(host)
+        self._addr = (url.hostname or "127.0.0.1", url.port or 443)
+        self._token_path = token_path
+        self._token = token
+        # As urllib3 makes it: TLS 1.2 or newer, certificate and name verified.
+        self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        self._tls.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._tls.load_verify_locations(cafile=ca_path)
+        self._idle: _Connection | None = None  # kept alive between requests
+
+    def _fresh_token(self) -> str:
+        try:
+            self._token = _read_token(self._token_path)
+        except (OSError, ClientConfigError) as exc:
+            log.warning("service account token unreadable path=%s error=%s",
+                        self._token_path, exc)
+        return self._token
+
+    def keep(self, conn: _Connection) -> None:
+        """Keep a connection whose answer was read to the end, for the next request."""
+        old, self._idle = self._idle, conn
+        if old is not None:
+            old.close()
+
+    def _connection(self, connect_timeout: float) -> _Connection:
+        conn, self._idle = self._idle, None
+        if conn is not None and conn.sock is not None:
+            # Readable while idle: the server closed it (or sent garbage): not reusable.
+            readable, _, _ = select.select([conn.sock], [], [], 0)
+            if not readable:
+                return conn
+            conn.close()
+        return _Connection(self._addr[0], self._addr[1], self._tls, connect_timeout)
+
+    def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any:
+        target = f"{SLICES_PATH}?{_query(params)}"
+        retries = RETRIES
+        while True:
+            headers = {"Accept": "application/json", "User-Agent": USER_AGENT,
+                       "authorization": f"Bearer {self._fresh_token()}"}
+            conn = self._connection(timeout[0])
+            try:
+                if conn.sock is None:
+                    conn.connect()
+                assert conn.sock is not None
+                conn.sock.settimeout(timeout[1])
+                conn.request("GET", target, headers=headers)
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                conn.close()
+                if retries <= 0:
+                    raise RequestFailed(f"GET {self.host}{target} failed after "
+                                        f"{RETRIES} retries: {_reason(exc)}") from exc
+                retries -= 1
+                log.debug("kube request failed; retrying error=%s", _reason(exc))
+                continue
+            if 200 <= resp.status <= 299:
+                return _Response(self, conn, resp)
+            delay = _retry_after(resp) if resp.status in RETRY_AFTER_STATUSES else None
+            try:
+                body = resp.read(ERROR_BODY_BYTES) if delay is None else b""
+            except (OSError, http.client.HTTPException, ValueError):
+                body = b""
+            finally:
+                conn.close()  # the rest of the body is unread: not reusable
+            if delay is not None:
+                if retries <= 0:
+                    raise RequestFailed(f"GET {self.host}{target}: {resp.status} "
+                                        f"{resp.reason} after {RETRIES} retries")
+                retries -= 1
+                time.sleep(delay)
+                continue
+            raise ApiError(resp.status, resp.reason or "",
+                           body.decode("utf-8", errors="replace")[:200])
+
+    def close(self) -> None:
+        conn, self._idle = self._idle, None
+        if conn is not None:
+            conn.close()
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _retry_after(resp: http.client.HTTPResponse) -> float | None:
+    """Seconds of a Retry-After header (a number or an HTTP date), or None."""
+    value = resp.getheader("Retry-After")
+    if not value:
+        return None
+    if value.strip().isdigit():
+        seconds = float(int(value.strip()))
+    else:
+        parsed = email.utils.parsedate_tz(value)
+        if parsed is None:
+            return None
+        seconds = email.utils.mktime_tz(parsed) - time.time()
+    return min(max(seconds, 0.0), RETRY_AFTER_MAX_S)
+
+
+class KubeconfigApi:
+    """``--kubeconfig``'s way in: the ``kubernetes`` package reads the file (contexts,
+    exec plugins, client certificates) and makes the call; imported here, only then."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
+        from kubernetes import client as k8s_client
+        from kubernetes import config as k8s_config
 
-    def __call__(self, configuration: k8s_client.Configuration) -> None:
         try:
-            token = _read_token(self.path)
-        except (OSError, ClientConfigError) as exc:
-            # Keep the last good token; the request fails with 401 if it is stale.
-            log.warning("service account token unreadable path=%s error=%s", self.path, exc)
-            return
-        configuration.api_key["BearerToken"] = token
+            self._client = k8s_config.new_client_from_config(config_file=path,
+                                                             persist_config=False)
+        except Exception as exc:  # the loader raises many types (ConfigException, yaml, OSError)
+            raise ClientConfigError(f"kubeconfig {path}: {exc}") from exc
+        self._client.user_agent = USER_AGENT
+        self._slices = k8s_client.DiscoveryV1Api(self._client)
+        self.host = str(self._client.configuration.host)
 
+    def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any:
+        from kubernetes.client.exceptions import ApiException
 
-def in_cluster_configuration(config: Config, sa_dir: str) -> k8s_client.Configuration:
-    token_path = os.path.join(sa_dir, "token")
-    ca_path = os.path.join(sa_dir, "ca.crt")
-    try:
-        token = _read_token(token_path)
-        with open(ca_path, encoding="utf-8") as f:
-            if not f.read().strip():
-                raise ClientConfigError(f"CA file {ca_path} is empty")
-    except OSError as exc:
-        raise ClientConfigError(f"service account unreadable: {exc}") from exc
-    cfg = k8s_client.Configuration(
-        host=proxy_url(config.bind_address, config.bind_port),
-        ssl_ca_cert=ca_path,
-        tls_server_name=TLS_SERVER_NAME,
-    )
-    cfg.proxy = None  # never an environment proxy for our own loopback listener
-    cfg.api_key["BearerToken"] = token
-    cfg.api_key_prefix["BearerToken"] = "Bearer"
-    cfg.refresh_api_key_hook = _TokenFile(token_path)
-    return cfg
+        try:
+            return self._slices.list_namespaced_endpoint_slice(
+                NAMESPACE, **params, _preload_content=False, _request_timeout=timeout)
+        except ApiException as exc:
+            raise ApiError(int(exc.status or 0), str(exc.reason or "")) from exc
+
+    def close(self) -> None:
+        self._client.close()
 
 
 def build_client(config: Config, sa_dir: str | None = None) -> KubeClient | None:
@@ -173,26 +394,35 @@ def build_client(config: Config, sa_dir: str | None = None) -> KubeClient | None
     """
     sa_dir = sa_dir if sa_dir is not None else DEFAULT_SA_DIR
     if config.kubeconfig:
-        try:
-            api = k8s_config.new_client_from_config(
-                config_file=config.kubeconfig, persist_config=False
-            )
-        except Exception as exc:  # the loader raises many types (ConfigException, yaml, OSError)
-            raise ClientConfigError(f"kubeconfig {config.kubeconfig}: {exc}") from exc
+        api: Api = KubeconfigApi(config.kubeconfig)
         log.info("discovery client source=kubeconfig path=%s server=%s",
-                 config.kubeconfig, api.configuration.host)
+                 config.kubeconfig, api.host)
         return KubeClient(api)
     if has_service_account(sa_dir):
-        cfg = in_cluster_configuration(config, sa_dir)
+        token_path = os.path.join(sa_dir, "token")
+        ca_path = os.path.join(sa_dir, "ca.crt")
+        try:
+            token = _read_token(token_path)
+            with open(ca_path, encoding="utf-8") as f:
+                if not f.read().strip():
+                    raise ClientConfigError(f"CA file {ca_path} is empty")
+        except OSError as exc:
+            raise ClientConfigError(f"service account unreadable: {exc}") from exc
+        api = InClusterApi(proxy_url(config.bind_address, config.bind_port), ca_path,
+                           token_path, token)
         log.info("discovery client source=in-cluster server=%s tls_server_name=%s",
-                 cfg.host, TLS_SERVER_NAME)
-        return KubeClient(k8s_client.ApiClient(cfg))
+                 api.host, TLS_SERVER_NAME)
+        return KubeClient(api)
     return None
 
 
 def _dropped(exc: BaseException) -> bool:
     """True for the ways a stream read fails when the connection goes away."""
-    return isinstance(exc, urllib3.exceptions.HTTPError | OSError | ValueError)
+    if isinstance(exc, http.client.HTTPException | OSError | ValueError):
+        return True
+    # urllib3 is loaded only by the kubernetes client (--kubeconfig), its transport.
+    urllib3 = sys.modules.get("urllib3")
+    return urllib3 is not None and isinstance(exc, urllib3.exceptions.HTTPError)
 
 
 class WatchStream:
@@ -314,23 +544,17 @@ def _read_list_body(resp: Any) -> bytes:
 class KubeClient:
     """List and watch the ``kubernetes`` service's EndpointSlices in ``default``."""
 
-    def __init__(self, api: k8s_client.ApiClient) -> None:
+    def __init__(self, api: Api) -> None:
         self.api = api
-        api.user_agent = f"extractedprism/{__version__}"
-        self._discovery = k8s_client.DiscoveryV1Api(api)
 
     @property
     def host(self) -> str:
-        return str(self.api.configuration.host)
+        return self.api.host
 
     def list_slices(self) -> tuple[list[Any], str]:
         """(items in wire form, list resourceVersion). Raises on any failure."""
-        resp = self._discovery.list_namespaced_endpoint_slice(
-            NAMESPACE,
-            label_selector=LABEL_SELECTOR,
-            _preload_content=False,
-            _request_timeout=(CONNECT_TIMEOUT, LIST_READ_TIMEOUT),
-        )
+        resp = self.api.get({"label_selector": LABEL_SELECTOR},
+                            (CONNECT_TIMEOUT, LIST_READ_TIMEOUT))
         try:
             body = json.loads(_read_list_body(resp))
         except BaseException:
@@ -354,17 +578,12 @@ class KubeClient:
     def watch(self, resource_version: str, timeout_seconds: int) -> WatchStream:
         """Open a watch from ``resource_version``; raises Gone on HTTP 410, else on failure."""
         try:
-            resp = self._discovery.list_namespaced_endpoint_slice(
-                NAMESPACE,
-                label_selector=LABEL_SELECTOR,
-                watch=True,
-                resource_version=resource_version,
-                allow_watch_bookmarks=True,
-                timeout_seconds=timeout_seconds,
-                _preload_content=False,
-                _request_timeout=(CONNECT_TIMEOUT, timeout_seconds + WATCH_READ_SLACK),
-            )
-        except ApiException as exc:
+            resp = self.api.get(
+                {"allow_watch_bookmarks": True, "label_selector": LABEL_SELECTOR,
+                 "resource_version": resource_version, "timeout_seconds": timeout_seconds,
+                 "watch": True},
+                (CONNECT_TIMEOUT, timeout_seconds + WATCH_READ_SLACK))
+        except ApiError as exc:
             if exc.status == 410:
                 raise Gone(f"watch HTTP 410: {exc.reason}") from exc
             raise

@@ -173,8 +173,12 @@ def _utcnow() -> datetime.datetime:
 
 
 class StateWriter:
-    """Writes the latest list handed to :meth:`save` on the ``state-file-writer``
-    thread; lists saved while a write runs are coalesced (only the newest is written)."""
+    """Writes the latest list handed to :meth:`save` on a ``state-file-writer`` thread;
+    lists saved while a write runs are coalesced (only the newest is written).
+
+    The thread runs only while there is something to write: :meth:`save` starts it, and
+    it ends once no list is pending. Discovery's list changes a few times a year, so a
+    thread parked for ever in between would cost every node a thread for nothing."""
 
     def __init__(self, path: str, stop: threading.Event) -> None:
         self._path = path
@@ -183,32 +187,34 @@ class StateWriter:
         self._pending: list[Endpoint] | None = None
         self._written: list[Endpoint] | None = None
         self._failing = ""
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the running writer, under _cond
         self.writes = 0
 
     def start(self, current: Sequence[Endpoint] | None = None) -> None:
         """``current``: what the file holds now (read at start), so an unchanged first
         discovery list is not written again."""
         self._written = list(current) if current else None
-        self._thread = threading.Thread(name="state-file-writer", target=self._loop,
-                                        daemon=True)
-        self._thread.start()
 
     def save(self, endpoints: Sequence[Endpoint]) -> None:
         """Queue ``endpoints`` for writing if non-empty and changed; never blocks on I/O."""
         if not endpoints:
             return
         with self._cond:
+            if self._stop.is_set():
+                return
             self._pending = list(endpoints)
-            self._cond.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(name="state-file-writer", target=self._loop,
+                                                daemon=True)
+                self._thread.start()
 
     def join(self, timeout: float) -> bool:
         with self._cond:
-            self._cond.notify()
-        if self._thread is None:
+            thread = self._thread
+        if thread is None:
             return True
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        thread.join(timeout)
+        if thread.is_alive():
             log.warning("thread outlived its shutdown deadline; abandoned "
                         "thread=state-file-writer")
             return False
@@ -217,13 +223,12 @@ class StateWriter:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._stop.is_set():
-                    self._cond.wait(1.0)
                 pending, self._pending = self._pending, None
-            if pending is not None and pending != self._written:
+                if pending is None:
+                    self._thread = None  # the next save() starts a new writer
+                    return
+            if pending != self._written:
                 self._write(pending)
-            if self._stop.is_set():
-                return
 
     def _write(self, endpoints: list[Endpoint]) -> None:
         try:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import io
 import logging
-import logging.handlers
 import os
 import queue
 import select
@@ -61,12 +60,15 @@ _STOP = object()
 log = logging.getLogger(__name__)
 
 
-class QueueingHandler(logging.handlers.QueueHandler):
-    """Formats in the caller's thread, queues the line; a full queue drops and counts."""
+class QueueingHandler(logging.Handler):
+    """Formats in the caller's thread, queues the line; a full queue drops and counts.
+
+    The stdlib's ``logging.handlers.QueueHandler`` in a few lines: that module (and the
+    ``pickle`` it imports) would cost every node half a MiB for one method."""
 
     def __init__(self, formatter: logging.Formatter, maxsize: int = QUEUE_LINES) -> None:
+        super().__init__()
         self.lines: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        super().__init__(self.lines)  # type: ignore[arg-type]
         self.setFormatter(formatter)
         self.maxsize = maxsize
         self.dropped = 0  # lines dropped since the writer last reported them
@@ -75,7 +77,13 @@ class QueueingHandler(logging.handlers.QueueHandler):
         # is inside this very method.
         self._drop_lock = threading.RLock()
 
-    def prepare(self, record: logging.LogRecord) -> str:  # type: ignore[override]
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.enqueue(self.prepare(record))
+        except Exception:
+            self.handleError(record)
+
+    def prepare(self, record: logging.LogRecord) -> str:
         return self.format(record)
 
     def enqueue(self, record: Any) -> None:

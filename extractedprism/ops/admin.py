@@ -43,7 +43,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from extractedprism.config.endpoints import parse_endpoint
 from extractedprism.errors import Error
 from extractedprism.ops.unixsock import listen_private, unlink_if_same
 from extractedprism.threads import join_until, start_daemon
@@ -85,6 +84,10 @@ class AdminTarget(Protocol):
 
 def normalise_address(text: str) -> str:
     """``host:port`` as the registry spells it (IPv6 in brackets); ValueError if bad."""
+    # Imported here: `admin list` needs no address parsing, and the client answers faster
+    # without the endpoint machinery (dataclasses, ipaddress).
+    from extractedprism.config.endpoints import parse_endpoint
+
     return str(parse_endpoint(text.strip()))
 
 

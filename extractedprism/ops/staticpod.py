@@ -51,7 +51,7 @@ SECURITY_CONTEXT: dict[str, Any] = {
     "capabilities": {"drop": ["ALL"]},
     "seccompProfile": {"type": "RuntimeDefault"},
 }
-RESOURCES: dict[str, Any] = {"requests": {"cpu": "50m", "memory": "64Mi"},
+RESOURCES: dict[str, Any] = {"requests": {"cpu": "50m", "memory": "40Mi"},
                              "limits": {"memory": "256Mi"}}
 LIVENESS_TIMING = {"initialDelaySeconds": 5, "periodSeconds": 10, "timeoutSeconds": 3,
                    "failureThreshold": 3}

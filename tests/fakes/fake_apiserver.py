@@ -329,8 +329,10 @@ class FakeApiServer:
     """See the module docstring. Use as a context manager or call start()/stop()."""
 
     def __init__(self, token: str = "fake-sa-token", *, host: str = "127.0.0.1",
-                 too_old: str = "event", names: Iterable[str] = SERVER_NAMES) -> None:
+                 too_old: str = "event", names: Iterable[str] = SERVER_NAMES,
+                 port: int = 0) -> None:
         self.host = host
+        self._bind_port = port  # 0: any free port
         self.too_old = too_old
         self.tokens = {token}
         self.ca = trustme.CA()
@@ -358,7 +360,7 @@ class FakeApiServer:
 
     def start(self) -> FakeApiServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        self._server = _Server(self, (self.host, 0), family)
+        self._server = _Server(self, (self.host, self._bind_port), family)
         self._acceptor = threading.Thread(target=self._server.serve_forever,
                                           kwargs={"poll_interval": 0.05},
                                           name="fake-apiserver", daemon=True)

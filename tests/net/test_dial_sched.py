@@ -151,7 +151,8 @@ def test_data_path_threads_get_the_configured_policy(make_app, servers, policy, 
         s.recv(64)  # the fake upstream says who it is: the pipe thread ran
     threads = wait_until(lambda: _data_path_threads() or None, 5)
     assert any(t.name == "acceptor" for t in threads)
-    assert len([t for t in threads if t.name.startswith("pipe-")]) >= 16  # the pool
+    # The pipe thread that served it (threads start on demand).
+    assert len([t for t in threads if t.name.startswith("pipe-")]) >= 1
     wait_until(lambda: all(_policy(t) == number for t in _data_path_threads()), 5)
     # Only the data path changes: the health server and ticker keep the default.
     others = [t for t in threading.enumerate()

@@ -225,7 +225,7 @@ def test_max_connections_backpressure(make_app, servers):
 def test_pool_shrinks_back_after_a_burst(make_app, servers):
     import os as _os
 
-    from extractedprism.datapath.pool import PRESTART_THREADS
+    from extractedprism.datapath.pool import WARM_THREADS
 
     ups = servers(1)
     app = make_app([u.endpoint for u in ups])
@@ -238,7 +238,7 @@ def test_pool_shrinks_back_after_a_burst(make_app, servers):
         return len(_os.listdir("/proc/self/fd"))
 
     fds0 = fds()
-    n = PRESTART_THREADS + 24
+    n = WARM_THREADS + 24
     burst = [connect(app) for _ in range(n)]
     for s in burst:
         assert read_line(s) == "up0"
@@ -246,7 +246,7 @@ def test_pool_shrinks_back_after_a_burst(make_app, servers):
     for s in burst:
         s.close()
     # The extra threads retire and give their kernel pipes back; the pool stays usable.
-    wait_until(lambda: pipe_threads() == PRESTART_THREADS, 10)
-    # The pre-started threads keep the kernel pipes (4 fds) they made in the burst.
-    wait_until(lambda: fds() <= fds0 + 4 * PRESTART_THREADS, 5)
+    wait_until(lambda: pipe_threads() == WARM_THREADS, 10)
+    # The warm threads give their kernel pipes back too (PIPE_IDLE_RELEASE_S).
+    wait_until(lambda: fds() <= fds0, 10)
     assert whoami(app) == "up0"

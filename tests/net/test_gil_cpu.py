@@ -77,13 +77,14 @@ def test_threads_are_pinned_and_a_busy_native_relay_is_let_out(make_app, servers
     assert app.proxy.gil_cpu == cpu
     (acceptor,) = threads("acceptor")
     assert affinity(acceptor) == {cpu}
-    idle = threads("pipe-idle-")
-    assert idle and all(affinity(t) == {cpu} for t in idle)
 
     with connect(app) as short:
         round_trips(short, 2)  # a few relay wake-ups: stays on the GIL's CPU
         (t,) = wait_until(lambda: threads("pipe-127.0.0.1"), timeout=5)
         assert affinity(t) == {cpu}
+    # Parked once its client left (threads start on demand): still on the GIL's CPU.
+    idle = wait_until(lambda: threads("pipe-idle-"), timeout=5)
+    assert all(affinity(t) == {cpu} for t in idle)
     with connect(app) as busy:
         round_trips(busy, 2 * UNPIN_AFTER)
         (t,) = wait_until(lambda: threads("pipe-127.0.0.1"), timeout=5)

@@ -31,9 +31,10 @@ def _fds() -> int:
 def test_burst_of_1000_connections_returns_to_the_idle_baseline(make_app, servers, relay):
     ups = servers(2, IdentityServer)
     app = make_app([u.endpoint for u in ups], relay=relay)
-    # The idle baseline: the pre-started pool, before any connection (no kernel pipes).
-    wait_until(lambda: _pipe_threads() >= pool_mod.PRESTART_THREADS, 5)
-    threads0, fds0 = _pipe_threads(), _fds()
+    # The idle baseline: no pipe thread before any connection (threads start on demand).
+    assert _pipe_threads() == 0
+    app.proxy.pipe_pool.idle_exit_s = 1.0  # the surplus' retirement, shortened
+    threads0, fds0 = pool_mod.WARM_THREADS, _fds()
     # Sampled throughout: a thread is either idle or serving a live connection, never
     # neither (a finished thread that has not parked yet made the acceptor start
     # another one for the next client).
@@ -62,11 +63,11 @@ def test_burst_of_1000_connections_returns_to_the_idle_baseline(make_app, server
     assert i == 999, "the burst did not finish in time"
     assert not bad, bad[:3]
     pool = app.proxy.pipe_pool.view()
-    # Never more threads than connections alive at once (beyond the pre-started ones).
-    assert pool.peak_threads <= max(pool_mod.PRESTART_THREADS, pool.peak_live), pool
+    # Never more threads than connections alive at once.
+    assert pool.peak_threads <= pool.peak_live, pool
     t_end = time.monotonic()
-    # Back to the baseline within 20 s: the extra threads exit, and parked threads give
-    # their kernel pipes back.
+    # Back to the baseline within 20 s: the threads beyond the warm ones exit, and parked
+    # threads give their kernel pipes back.
     wait_until(lambda: _pipe_threads() <= threads0 and _fds() <= fds0, 20,
                message=f"threads <= {threads0} and fds <= {fds0} "
                f"(now {_pipe_threads()}, {_fds()})")
@@ -74,4 +75,44 @@ def test_burst_of_1000_connections_returns_to_the_idle_baseline(make_app, server
     assert app.registry.snapshot().connections_active == 0
     # The pool still serves.
     with socket.create_connection(app.proxy_address, timeout=5) as s:
+        assert s.recv(10).startswith(b"up")
+
+
+def _wakeups(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as fh:
+        for line in fh:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches line")
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_pool_keeps_a_few_warm_threads_asleep(make_app, servers):
+    ups = servers(1, IdentityServer)
+    app = make_app([u.endpoint for u in ups])
+    pool = app.proxy.pipe_pool
+    pool.idle_exit_s = pool_mod.PIPE_IDLE_RELEASE_S + 0.5  # surplus retires soon after
+    assert _pipe_threads() == 0  # nothing before the first client
+    n = pool_mod.WARM_THREADS + 6
+    burst = [socket.create_connection(app.proxy_address, timeout=5) for _ in range(n)]
+    for s in burst:
+        assert s.recv(10).startswith(b"up")
+    assert _pipe_threads() == n
+    for s in burst:
+        s.close()
+    wait_until(lambda: _pipe_threads() == pool_mod.WARM_THREADS, 20,
+               message="the threads beyond the warm ones retire")
+    warm = [t for t in threading.enumerate() if t.name.startswith("pipe-")]
+    # Each warm thread has made its one "am I surplus?" check (idle_exit_s after parking)
+    # and sleeps WARM_RECHECK_S now: over a window far shorter than that, none wakes.
+    time.sleep(0.5)  # not a race: only makes the window start after the last check
+    before = {t.native_id: _wakeups(t.native_id) for t in warm}
+    window = pool.idle_exit_s  # the old policy woke every idle_exit_s - release
+    deadline = time.monotonic() + window
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = {tid: _wakeups(tid) for tid in before}
+    assert after == before, "a parked warm thread woke up"
+    assert pool.view().idle == pool_mod.WARM_THREADS
+    with socket.create_connection(app.proxy_address, timeout=5) as s:  # still serves
         assert s.recv(10).startswith(b"up")

@@ -22,6 +22,7 @@ from extractedprism.checks.probes import ReadyzSettings, probe
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams.state import ProbeResult
 from tests.fakes.upstream import FakeUpstream, _Server
+from tests.util import read_head
 
 SERVER_NAME = "kubernetes.default.svc"
 SLACK = 0.5  # scheduling noise allowed past a deadline
@@ -400,12 +401,9 @@ class ScriptedTLSServer(_Server):
         tls = self.ctx.wrap_socket(conn, server_side=True)
         self._track_swap(conn, tls)
         try:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = tls.recv(4096)
-                if not chunk:
-                    return
-                head += chunk
+            head = read_head(tls)
+            if head is None:
+                return
             self.heads.append(head)
             self.behaviour(tls, self.closing)
         finally:

@@ -18,6 +18,7 @@ import pytest
 
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.datapath import pipe as pipe_mod
+from extractedprism.datapath.pool import WARM_THREADS
 from extractedprism.datapath.proxy import Proxy
 from extractedprism.datapath.relay import resolve
 from extractedprism.datapath.sockopts import USER_TIMEOUT_MS
@@ -325,6 +326,7 @@ def test_no_thread_or_fd_growth_after_1000_short_connections(make_app, servers):
 
     _, pipes_base = fds()  # other tests' leftovers are not this app's
     app = make_app([u.endpoint for u in ups])
+    app.proxy.pipe_pool.idle_exit_s = 1.0  # threads beyond the warm ones retire soon
     for _ in range(50):  # warm the pool
         whoami(app)
     wait_until(lambda: connection_count(app.registry) == 0, 5)
@@ -335,8 +337,10 @@ def test_no_thread_or_fd_growth_after_1000_short_connections(make_app, servers):
     for _ in range(1000):
         whoami(app)
     wait_until(lambda: connection_count(app.registry) == 0, 5)
-    # The pre-started pool serves a sequential client without new threads.
-    assert pipe_threads() <= threads0
+    # A sequential client needs a thread or two at a time (one may still be closing the
+    # last connection): no growth, and the pool back to its warm threads once idle.
+    wait_until(lambda: pipe_threads() <= max(threads0, WARM_THREADS), 10,
+               message=f"pipe threads back to {max(threads0, WARM_THREADS)}")
     wait_until(lambda: fds()[0] <= other0, 5, message=f"socket fds back to {other0}")
     # Each pipe thread holds at most its two kernel pipes (4 fds), made on first use.
     assert fds()[1] - pipes_base <= 4 * pipe_threads()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -101,7 +102,9 @@ def test_every_line_parses_through_drains_failures_and_discovery(
     assert all({"bytes_up", "bytes_down", "duration_seconds", "reason"} <= set(r)
                for r in closed)
     [dump] = has(recs, "thread dump")
-    assert "pipe-idle-*" in dump["dump"] and "\n" in dump["dump"]
+    # The held connections' pipe threads share a stack: one group (threads start on
+    # demand, so none need be parked here).
+    assert re.search(r"^--- \d+ threads: pipe-", dump["dump"], re.M), dump["dump"]
     assert int(dump["threads"]) > int(dump["stacks"])
 
 

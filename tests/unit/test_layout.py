@@ -24,7 +24,7 @@ PKG = ROOT / "extractedprism"
 # lower layer. The top-level modules errors.py and threads.py are the floor; cli.py and
 # app.py the roof (the wiring).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "threads", "__init__"),
+    ("errors", "threads", "heap", "__init__"),
     ("config", "logs"),
     ("upstreams",),
     ("checks", "discovery", "datapath"),

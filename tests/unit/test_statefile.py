@@ -185,3 +185,27 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path):
     with pytest.raises(OSError):
         statefile.write(str(path), EPS)
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_writer_thread_runs_only_while_there_is_something_to_write(tmp_path: Path):
+    def writers() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "state-file-writer")
+
+    path = tmp_path / "state.json"
+    stop = threading.Event()
+    w = statefile.StateWriter(str(path), stop)
+    w.start()
+    try:
+        assert writers() == 0  # nothing to write: no thread
+        w.save(EPS)
+        wait_until(lambda: w.writes == 1 and writers() == 0, 5,
+                   message="written, and the writer gone")
+        w.save(EPS[1:])  # a later change starts a writer again
+        wait_until(lambda: w.writes == 2 and writers() == 0, 5,
+                   message="written again, and the writer gone")
+        assert statefile.read(str(path)) == EPS[1:]
+    finally:
+        stop.set()
+        assert w.join(5)
+    w.save(EPS)  # after the stop: never written
+    assert writers() == 0 and w.writes == 2

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 
 _WRK_UNITS_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0}
 
@@ -114,13 +115,15 @@ def proc_status(pid: int) -> dict:
             "fds": fds}
 
 
-def settled_rss(pid: int, timeout: float = 5.0) -> dict:
-    """Poll VmRSS until two readings 0.3 s apart differ by < 0.5% (or timeout)."""
-    last = proc_status(pid)
+def settled_rss(pid: int, timeout: float = 5.0, interval: float = 0.3,
+                read: Callable[[int], dict] = proc_status) -> dict:
+    """Poll ``read(pid)`` (default: VmRSS and friends) until two readings ``interval``
+    apart differ by < 0.5% of RSS (or timeout)."""
+    last = read(pid)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        time.sleep(0.3)
-        now = proc_status(pid)
+        time.sleep(interval)
+        now = read(pid)
         if abs(now["rss_kib"] - last["rss_kib"]) <= max(64, last["rss_kib"] * 0.005):
             return now
         last = now

@@ -34,6 +34,7 @@ import contextlib
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 from epscripts.chaos.bounds import CLIENT_TIMEOUT, DRAIN, INTERVAL, TIMEOUT
@@ -137,7 +138,13 @@ def run(h: Harness) -> int:
             break
     h.load.finish()
     drained = h.wait_no_connections(15)
+    # Pipe threads start on demand and those beyond the pool's warm ones retire after
+    # 10 s idle (datapath/pool.py): give them that long, and a margin, to leave.
+    settle_until = mono() + 20.0
     end = h.stats_min()
+    while end["threads"] > start["threads"] and mono() < settle_until:
+        time.sleep(0.5)
+        end = h.stats_min()
     ok_threads = end["threads"] <= start["threads"]
     sock_start, sock_end = start["sockets"], end["sockets"]
     other_start = start["fds"] - start["sockets"] - start["pipes"]
