@@ -13,8 +13,8 @@ Without glibc (musl) it does nothing. ``ctypes`` is imported on the first call.
 glibc gives each thread that allocates an arena of its own, up to 8 per CPU; each keeps
 its own free and fragmented pages, and a pipe thread allocates little (the GIL
 serialises its Python anyway). :func:`limit_arenas` (before any thread starts) caps them
-at :data:`ARENAS`: measured, the idle proxy is 1 MiB smaller and a churn of 200,000
-connections grows it by half as much (docs/performance.md, "Footprint").
+at :data:`ARENAS`: measured, a churn of 200,000 connections grows the proxy by half as
+much (docs/performance.md, "Footprint").
 """
 
 from __future__ import annotations
