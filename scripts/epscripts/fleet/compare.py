@@ -593,7 +593,8 @@ def versions(lbs: list[str], ep_cmd: list[str], go_bin: str | None) -> dict[str,
     if "go-original" in lbs and go_bin:
         import hashlib
 
-        v["go-original"] = ("sha256 " + hashlib.sha256(Path(go_bin).read_bytes()).hexdigest()[:16])
+        v["go-original"] = (f"{out([go_bin, '--version'])}, binary sha256 "
+                            f"{hashlib.sha256(Path(go_bin).read_bytes()).hexdigest()[:16]}")
     return v
 
 
