@@ -330,8 +330,9 @@ class Cell:
     def _settle(self) -> float:
         """Every node Ready and its Lease renewed SETTLE_RENEWALS times from now."""
         t0 = time.time()
-        deadline = time.monotonic() + SETTLE_RENEWALS * RENEW + 40
-        while True:
+        limit = SETTLE_RENEWALS * RENEW + 40
+        deadline = time.monotonic() + limit
+        for _ in range(int(limit / 0.5) + 1):
             fleet = self.fleet
             fleet.check_alive()
             fresh = {n: sum(1 for t in self.sampler.renewals.get(n, ()) if t > t0)
@@ -341,9 +342,10 @@ class Cell:
                     and min(fresh.values()) >= SETTLE_RENEWALS):
                 return time.time() - t0
             if time.monotonic() > deadline:
-                raise FleetError(f"fleet not settled: renewals {fresh}, "
-                                 f"not ready {last and last.not_ready}")
+                break
             time.sleep(0.5)
+        raise FleetError(f"fleet not settled in {limit:g}s: renewals since {fresh}, "
+                         f"not ready {last and last.not_ready}")
 
     def _run(self, t_cell: float, monitor: Monitor) -> dict[str, Any]:
         cp, fleet = self.cp, self.fleet
@@ -351,9 +353,11 @@ class Cell:
         kube_before = kubelet_requests(fleet)
         cpu_before = {n: cpu_ticks(cp.pid(f"lb-{n}")) for n in fleet.nodes}
         kubelet_apis_before = observe.kubelet_apis(cp, fleet)
+        # The kubectl watches' servers (the request loop's connections live ~10 ms).
+        watch_apis_before = observe.kubelet_apis(cp, fleet, owner="kubectl")
         t_wall0 = time.monotonic()
         t_fault = time.time()
-        target = self._fault(kubelet_apis_before, t_fault)
+        target = self._fault(kubelet_apis_before, watch_apis_before, t_fault)
         t_end = time.time()
         wall = time.monotonic() - t_wall0
         peers = {fleet.state["nodes"][n]["ip"]: n for n in fleet.nodes}
@@ -388,6 +392,11 @@ class Cell:
             "connections_after": per_api,
             "skew_after": round(max(per_api.values()) / mean, 2) if mean else None,
             "kubelet_apis_before": kubelet_apis_before,
+            "watch_apis_before": watch_apis_before,
+            "exposed": {"kubelets": sum(1 for v in kubelet_apis_before.values()
+                                        if set(v) & set(target.split(","))),
+                        "watches": sum(1 for v in watch_apis_before.values()
+                                       if set(v) & set(target.split(",")))},
             "kubelet_apis_after": kubelet_apis_after,
             "lb_cpu_s": {n: round(v, 2) for n, v in cpu_s.items()},
             "lb_cpu_pct": {n: round(100 * v / wall, 1) for n, v in cpu_s.items()},
@@ -401,7 +410,8 @@ class Cell:
 
     # -- the faults --
 
-    def _fault(self, kubelet_apis: dict[str, list[str]], t0: float) -> str:
+    def _fault(self, kubelet_apis: dict[str, list[str]], watch_apis: dict[str, list[str]],
+               t0: float) -> str:
         cp = self.cp
         if self.fault == "scaleout":
             cp.start("api3", cp.extra_args("api3"))
@@ -426,8 +436,12 @@ class Cell:
             self._avoid(set())
             self._sleep_until(max(t_last + AFTER_S, t0 + WATCH_MIN))
             return "api1,api2,api3"
-        counts = {a: sum(v.count(a) for v in kubelet_apis.values()) for a in cphost.APISERVERS}
-        target = max(cphost.APISERVERS, key=lambda a: counts[a])
+        # The server whose fault reaches the most clients: kubelets first, then watches.
+        def reach(a: str) -> tuple[int, int]:
+            return (sum(a in v for v in kubelet_apis.values()),
+                    sum(a in v for v in watch_apis.values()))
+
+        target = max(cphost.APISERVERS, key=reach)
         self._controllers_off(target)
         self._avoid({target})
         t0 = time.time()  # after a controllers move

@@ -56,6 +56,8 @@ def _details(row: dict[str, Any]) -> str:
     nr = "; ".join(f"{n}: {', '.join(v)}" for n, v in sorted(row["not_ready"].items()))
     return "; ".join(x for x in [
         f"target {row['target']}",
+        "watches on " + ", ".join(f"{n}->{'+'.join(a) or '?'}"
+                                  for n, a in row.get("watch_apis_before", {}).items()),
         f"NotReady {nr}" if nr else "",
         "Lease gaps " + ", ".join(f"{n} {g:g}" for n, g in row["lease_gaps_s"].items()),
         "kubelet failed " + ", ".join(f"{n} {v}" for n, v in row["kubelet_failed"].items()),
@@ -77,6 +79,15 @@ def _details(row: dict[str, Any]) -> str:
         f"writer failures {row['writer_failures']}" if row["writer_failures"] else "",
         "; ".join(row["notes"]),
     ] if x)
+
+
+def _exposed(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return "error"
+    e = row.get("exposed")
+    if not e:
+        return "?"
+    return f"{row['target']}: {e['kubelets']} / {e['watches']} of {row['nodes']}"
 
 
 def _resources(row: dict[str, Any]) -> str:
@@ -148,6 +159,8 @@ nodes, counted in the API servers' own namespaces at the end of the window.
         for label, fn, _ in METRICS:
             out.append(f"| {label} | " + " | ".join(_cell(rows, b, label, fn) for b in lbs)
                        + " |\n")
+        out.append("| on the faulted server before: kubelets / watches | " + " | ".join(
+            _exposed(rows[b]) if b in rows else "not run" for b in lbs) + " |\n")
         out.append("| balancer RSS (max); CPU per node (share of one core) | "
                    + " | ".join(_resources(rows[b]) if b in rows else "not run" for b in lbs)
                    + " |\n")

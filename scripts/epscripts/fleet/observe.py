@@ -131,8 +131,10 @@ def node_sockets(fleet: Any, node: str) -> list[dict[str, Any]]:
     return out
 
 
-def kubelet_apis(cp: Any, fleet: Any, lb_port: int = 7445) -> dict[str, list[str]]:
-    """Per node, the API servers its kubelet's connections reach through its balancer.
+def kubelet_apis(cp: Any, fleet: Any, lb_port: int = 7445,
+                 owner: str = "kubemark") -> dict[str, list[str]]:
+    """Per node, the API servers its kubelet's connections (or those of the program
+    ``owner``, e.g. ``kubectl``) reach through its balancer.
 
     A balancer passes TLS through byte for byte, so the kubelet's socket to the balancer
     and the balancer's socket to the API server carrying it have counted the same bytes
@@ -144,7 +146,7 @@ def kubelet_apis(cp: Any, fleet: Any, lb_port: int = 7445) -> dict[str, list[str
     out: dict[str, list[str]] = {}
     for node in fleet.nodes:
         socks = node_sockets(fleet, node)
-        kubelet = [s for s in socks if s["owner"] == "kubemark"
+        kubelet = [s for s in socks if s["owner"] == owner
                    and s["peer"] == f"127.0.0.1:{lb_port}"]
         ups = [s for s in socks if s["peer"].rsplit(":", 1)[0] in by_ip]
         apis = []
