@@ -72,6 +72,7 @@ READY_TIMEOUT = 120.0
 EXIT_TIMEOUT = 90.0  # a SIGTERMed API server's exit; then SIGKILL (and it is reported)
 CELL_MAX_S = 600.0  # any one cell, end to end (the clients' own bound)
 DOC = "docs/compare.md"
+RUN_STARTED = [""]  # this run's start, stamped on each of its cells
 RESULTS = "docs/compare.json"
 
 
@@ -552,6 +553,7 @@ def run_balancer(lb: str, faults: list[str], nodes: int, ep_cmd: list[str],
                 if not fleet_alive(fleet):
                     break
                 continue
+            row["run"] = RUN_STARTED[0]
             results.append(row)
             _log(f"{lb}: {fault}: {summary(row)}")
     finally:
@@ -669,7 +671,8 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(results_path.read_text())
     results: list[dict[str, Any]] = []
     t0 = time.time()
-    doc = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
+    RUN_STARTED[0] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0))
+    doc = {"started": RUN_STARTED[0],
            "argv": ["scripts/compare", *(argv if argv is not None else sys.argv[1:])],
            "nodes": args.nodes, "faults": faults, "lbs": lbs, "skipped": skipped,
            "ep_recommended": EP_RECOMMENDED, "versions": versions(lbs, ep_cmd,
@@ -684,8 +687,9 @@ def main(argv: list[str] | None = None) -> int:
         merged = dict(doc)
         if old:
             mine = {(r["lb"], r["fault"]) for r in results}
-            merged["results"] = [r for r in old.get("results", [])
-                                 if (r["lb"], r["fault"]) not in mine] + results
+            kept = [{"run": old.get("started"), **r} for r in old.get("results", [])
+                    if (r["lb"], r["fault"]) not in mine]
+            merged["results"] = kept + results
             merged["runs"] = [*old.get("runs", [{"started": old.get("started"),
                                                  "argv": old.get("argv")}]),
                               {"started": doc["started"], "argv": doc["argv"]}]

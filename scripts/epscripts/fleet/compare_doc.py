@@ -55,6 +55,7 @@ def _details(row: dict[str, Any]) -> str:
     w = row["watch"]
     nr = "; ".join(f"{n}: {', '.join(v)}" for n, v in sorted(row["not_ready"].items()))
     return "; ".join(x for x in [
+        f"run {row['run']}" if row.get("run") else "",
         f"target {row['target']}",
         "watches on " + ", ".join(f"{n}->{'+'.join(a) or '?'}"
                                   for n, a in row.get("watch_apis_before", {}).items()),
@@ -132,11 +133,14 @@ def render(doc: dict[str, Any], previous: str | None = None) -> str:
     v = doc["versions"]
     t = doc["timing"]
     head = "| | " + " | ".join(NAMES[b] for b in lbs) + " |\n|---|" + "---|" * len(lbs) + "\n"
+    runs = doc.get("runs") or [{"started": doc["started"], "argv": doc["argv"]}]
+    said = "; ".join(f"started {r['started']}: `{' '.join(r['argv'])}`" for r in runs)
     out = [f"""# Node-local balancers side by side under API-server faults
 
-Written by `scripts/compare` (run started {doc['started']}, {doc.get('took_s', '?')} s;
-`{' '.join(doc['argv'])}`); the figures below are that run's, unedited. The reading
-between the markers is a person's. How it works and how to run it again: [below](#how-it-runs).
+Written by `scripts/compare` ({len(runs)} run{'s' if len(runs) > 1 else ''}: {said};
+a later run's cells replace an earlier one's, and each cell's details say which run it
+is from); the figures below are as measured, unedited. The reading between the markers
+is a person's. How it works and how to run it again: [below](#how-it-runs).
 
 <!-- notes -->
 {notes}<!-- /notes -->
