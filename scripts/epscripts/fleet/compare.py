@@ -35,7 +35,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -104,32 +103,19 @@ def loadavg() -> float:
 
 
 class Monitor:
-    """Every 2 s: the machine's load average and each balancer's RSS (bounded by a cap)."""
+    """Every 2 s: the machine's load average and each balancer's RSS."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
         self.load: list[float] = []
         self.rss_max: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="compare-monitor", daemon=True)
+        self.every = observe.Every("compare-monitor", 2.0, self.tick, CELL_MAX_S)
 
-    def start(self) -> Monitor:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        for _ in range(int(CELL_MAX_S / 2) + 1):
-            if self._stop.is_set():
-                return
-            self.load.append(loadavg())
-            for node in self.fleet.nodes:
-                rss = self.fleet.rss_kib(f"lb-{node}") or 0
-                self.rss_max[node] = max(self.rss_max.get(node, 0), rss)
-            self._stop.wait(2.0)
+    def tick(self) -> None:
+        self.load.append(loadavg())
+        for node in self.fleet.nodes:
+            rss = self.fleet.rss_kib(f"lb-{node}") or 0
+            self.rss_max[node] = max(self.rss_max.get(node, 0), rss)
 
 
 # --- the writer ------------------------------------------------------------------
@@ -145,40 +131,20 @@ class Writer:
         self.seq = 0
         self.written: list[tuple[int, float]] = []  # (seq, time acknowledged)
         self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="compare-writer", daemon=True)
+        self.every = observe.Every("compare-writer", WRITE_PERIOD, self.tick, CELL_MAX_S)
 
-    def start(self) -> Writer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(15)
-
-    def _put(self, seq: int) -> bool:
+    def tick(self) -> None:
+        self.seq += 1
         path = f"/api/v1/namespaces/{NAMESPACE}/configmaps/{CONFIGMAP}"
-        body = [{"op": "replace", "path": "/data", "value": {"seq": str(seq)}}]
+        body = [{"op": "replace", "path": "/data", "value": {"seq": str(self.seq)}}]
         for api in cphost.APISERVERS:
             if api in self.avoid or self.cp.pid(api) is None:
                 continue
             with contextlib.suppress(OSError, ValueError):
-                status, _ = _patch(self.cp, api, path, body)
-                if status == 200:
-                    return True
-        return False
-
-    def _run(self) -> None:
-        for _ in range(int(CELL_MAX_S / WRITE_PERIOD) + 1):
-            if self._stop.is_set():
-                return
-            t0 = time.monotonic()
-            self.seq += 1
-            if self._put(self.seq):
-                self.written.append((self.seq, time.time()))
-            else:
-                self.failures += 1
-            self._stop.wait(max(0.0, WRITE_PERIOD - (time.monotonic() - t0)))
+                if _patch(self.cp, api, path, body)[0] == 200:
+                    self.written.append((self.seq, time.time()))
+                    return
+        self.failures += 1
 
 
 def _patch(cp: Any, api: str, path: str, body: Any) -> tuple[int, Any]:
@@ -318,13 +284,13 @@ class Cell:
         monitor = Monitor(fleet)
         self._start_clients(CELL_MAX_S)
         self.sampler.start()
-        self.writer.start()
-        monitor.start()
+        self.writer.every.start()
+        monitor.every.start()
         try:
             return self._run(t_cell, monitor)
         finally:
-            monitor.stop()
-            self.writer.stop()
+            monitor.every.stop()
+            self.writer.every.stop()
             self.sampler.stop()
             self._stop_clients()
 
@@ -454,22 +420,17 @@ class Cell:
             self.notes.append(f"{target} restarted at +{KILL_DOWN_S:g}s, ready "
                               f"{ready:.1f}s later")
             end = t0 + WATCH_MIN
-        elif self.fault == "stop":
-            cp.stop(target)
-            try:
-                self._sleep_until(t0 + STOP_S)
-            finally:
-                cp.cont(target)
-            end = t0 + max(WATCH_MIN, STOP_S + AFTER_S)
-        elif self.fault == "partition":
-            cp.partition_etcd(target)
-            try:
-                self._sleep_until(t0 + PARTITION_S)
-            finally:
-                cp.heal(target)
-            end = t0 + max(WATCH_MIN, PARTITION_S + AFTER_S)
         else:
-            raise ValueError(self.fault)
+            # (start the fault, undo it, how long it lasts); undone also after an error.
+            begin, undo, lasts = {"stop": (cp.stop, cp.cont, STOP_S),
+                                  "partition": (cp.partition_etcd, cp.heal, PARTITION_S),
+                                  }[self.fault]
+            begin(target)
+            try:
+                self._sleep_until(t0 + lasts)
+            finally:
+                undo(target)
+            end = t0 + max(WATCH_MIN, lasts + AFTER_S)
         self._sleep_until(end)
         self._avoid(set())
         return target

@@ -171,6 +171,34 @@ def busiest_for_kubelets(cp: Any, fleet: Any) -> tuple[str, dict[str, list[str]]
     return max(cphost.APISERVERS, key=lambda a: counts[a]), apis
 
 
+class Every:
+    """Calls ``fn`` every ``period`` seconds on a thread named ``name`` until stopped, for
+    at most ``max_s`` seconds (and as many calls as fit in them)."""
+
+    def __init__(self, name: str, period: float, fn: Callable[[], None],
+                 max_s: float = MAX_RUN_S) -> None:
+        self.period, self.fn, self.max_s = period, fn, max_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> Every:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.max_s
+        for _ in range(int(self.max_s / self.period) + 1):
+            if self._stop.is_set() or time.monotonic() > deadline:
+                return
+            t0 = time.monotonic()
+            self.fn()
+            self._stop.wait(max(0.0, self.period - (time.monotonic() - t0)))
+
+
 @dataclass
 class Sample:
     t: float  # time.time() of the sample
@@ -190,24 +218,14 @@ class Sampler:
     failed_polls: int = 0
 
     def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fleet-sampler", daemon=True)
+        self._every = Every("fleet-sampler", self.period, self.poll)
 
     def start(self) -> Sampler:
-        self._thread.start()
+        self._every.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + MAX_RUN_S
-        for _ in range(int(MAX_RUN_S / self.period) + 1):
-            if self._stop.is_set() or time.monotonic() > deadline:
-                return
-            self.poll()
-            self._stop.wait(self.period)
+        self._every.stop()
 
     def poll(self) -> None:
         now = time.time()
