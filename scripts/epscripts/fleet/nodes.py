@@ -48,7 +48,8 @@ class FleetError(Exception):
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent.parent
+    """The checkout: scripts/epscripts/fleet/nodes.py -> three levels up from fleet/."""
+    return Path(__file__).resolve().parents[3]
 
 
 def default_ep_cmd() -> list[str]:

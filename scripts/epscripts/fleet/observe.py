@@ -131,8 +131,10 @@ def node_sockets(fleet: Any, node: str) -> list[dict[str, Any]]:
     return out
 
 
-def kubelet_apis(cp: Any, fleet: Any, lb_port: int = 7445) -> dict[str, list[str]]:
-    """Per node, the API servers its kubelet's connections reach through its balancer.
+def kubelet_apis(cp: Any, fleet: Any, lb_port: int = 7445,
+                 owner: str = "kubemark") -> dict[str, list[str]]:
+    """Per node, the API servers its kubelet's connections (or those of the program
+    ``owner``, e.g. ``kubectl``) reach through its balancer.
 
     A balancer passes TLS through byte for byte, so the kubelet's socket to the balancer
     and the balancer's socket to the API server carrying it have counted the same bytes
@@ -144,7 +146,7 @@ def kubelet_apis(cp: Any, fleet: Any, lb_port: int = 7445) -> dict[str, list[str
     out: dict[str, list[str]] = {}
     for node in fleet.nodes:
         socks = node_sockets(fleet, node)
-        kubelet = [s for s in socks if s["owner"] == "kubemark"
+        kubelet = [s for s in socks if s["owner"] == owner
                    and s["peer"] == f"127.0.0.1:{lb_port}"]
         ups = [s for s in socks if s["peer"].rsplit(":", 1)[0] in by_ip]
         apis = []
@@ -169,6 +171,34 @@ def busiest_for_kubelets(cp: Any, fleet: Any) -> tuple[str, dict[str, list[str]]
     return max(cphost.APISERVERS, key=lambda a: counts[a]), apis
 
 
+class Every:
+    """Calls ``fn`` every ``period`` seconds on a thread named ``name`` until stopped, for
+    at most ``max_s`` seconds (and as many calls as fit in them)."""
+
+    def __init__(self, name: str, period: float, fn: Callable[[], None],
+                 max_s: float = MAX_RUN_S) -> None:
+        self.period, self.fn, self.max_s = period, fn, max_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> Every:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.max_s
+        for _ in range(int(self.max_s / self.period) + 1):
+            if self._stop.is_set() or time.monotonic() > deadline:
+                return
+            t0 = time.monotonic()
+            self.fn()
+            self._stop.wait(max(0.0, self.period - (time.monotonic() - t0)))
+
+
 @dataclass
 class Sample:
     t: float  # time.time() of the sample
@@ -188,24 +218,14 @@ class Sampler:
     failed_polls: int = 0
 
     def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fleet-sampler", daemon=True)
+        self._every = Every("fleet-sampler", self.period, self.poll)
 
     def start(self) -> Sampler:
-        self._thread.start()
+        self._every.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + MAX_RUN_S
-        for _ in range(int(MAX_RUN_S / self.period) + 1):
-            if self._stop.is_set() or time.monotonic() > deadline:
-                return
-            self.poll()
-            self._stop.wait(self.period)
+        self._every.stop()
 
     def poll(self) -> None:
         now = time.time()

@@ -1,0 +1,689 @@
+"""scripts/compare: the same faults, one at a time, through each node-local balancer.
+
+For each balancer in turn a fresh control plane (etcd + three kube-apiservers) and a
+fleet of hollow nodes behind that balancer (docs/fleet.md), and on it each fault in turn,
+each from a healthy fleet (every API server ready, every node Ready, every Lease renewed
+twice since):
+
+* ``scaleout``: the fleet starts on two API servers (api3 stopped), then api3 starts;
+* ``kill``: kill -9 of the API server carrying most kubelets, restarted 20 s later;
+* ``stop``: SIGSTOP of that server for 30 s;
+* ``partition``: that server cut off from etcd for 60 s;
+* ``rolling``: SIGTERM, wait for the exit, start, wait ready: api1, api2, api3 in turn.
+
+Each node also runs the extra clients of :mod:`epscripts.fleet.clients` (a kubectl watch
+resumed from its last resourceVersion, a request loop) through its balancer, while a
+writer updates one ConfigMap every second straight on an API server not under fault.
+Measured per cell: nodes that went NotReady, the longest gap between a node's Lease
+renewals, the kubelets' failed requests (their own ``rest_client_requests_total``), the
+longest watch gap and lost events, the request loop's failures, the connection skew over
+the API servers at the end (max/mean of established connections from the nodes, counted
+in the API servers' namespaces), each balancer's RSS and CPU (/proc), and the machine's
+load average. Results go to a JSON file and docs/compare.md (rendered from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from epscripts.controlplane import build as cpbuild
+from epscripts.controlplane import host as cphost
+from epscripts.controlplane import plane as cpplane
+from epscripts.fleet import balancers, observe
+from epscripts.fleet.nodes import Fleet, FleetError, _descendants, default_ep_cmd, repo_root
+
+FAULTS = ("scaleout", "kill", "stop", "partition", "rolling")
+# extractedprism as docs/deploy.md recommends it for the kubelet (its static pod, the
+# flags of "Static pod: the kubelet-safe way" on top of what the fleet always passes:
+# readyz with the node's certificate, discovery with its own identity, a state file).
+# The one place to update when docs/deploy.md's recommendation changes; rendered into
+# docs/compare.md. Timings here are the program's defaults, written out.
+EP_RECOMMENDED = ["--health-interval=20s", "--health-timeout=15s", "--drain-timeout=30s"]
+NODES_DEFAULT = 3
+NAMESPACE = "compare"
+CONFIGMAP = "tick"
+WRITE_PERIOD = 1.0  # the writer's updates; the watch gap's floor
+REQUEST_PERIOD = 1.0  # each node's request loop
+SETTLE_RENEWALS = 2  # Lease renewals per node before a fault
+RENEW = 10.0  # the kubelet's Lease renewal period (kubelet default)
+# kube-controller-manager defaults: a node is NotReady GRACE s after its last renewal,
+# noticed within MONITOR s; every fault is watched at least this long.
+GRACE, MONITOR = 50.0, 5.0
+WATCH_MIN = GRACE + MONITOR + 10.0
+KILL_DOWN_S = 30.0 - 10.0  # kill: restarted this long after the kill
+STOP_S = 30.0
+PARTITION_S = 60.0
+AFTER_S = 30.0  # watched after the fault ends (at least; WATCH_MIN from its start)
+READY_TIMEOUT = 120.0
+EXIT_TIMEOUT = 90.0  # a SIGTERMed API server's exit; then SIGKILL (and it is reported)
+CELL_MAX_S = 600.0  # any one cell, end to end (the clients' own bound)
+DOC = "docs/compare.md"
+RUN_STARTED = [""]  # this run's start, stamped on each of its cells
+RESULTS = "docs/compare.json"
+
+
+def _log(msg: str) -> None:
+    print(f"compare: {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+
+class Stop(Exception):
+    """SIGTERM/SIGINT: unwind through every cleanup."""
+
+
+# --- /proc ---------------------------------------------------------------------
+
+
+def cpu_ticks(pid: int | None) -> int:
+    """utime+stime of a process and its descendants (clock ticks)."""
+    if pid is None:
+        return 0
+    total = 0
+    for p in [pid, *_descendants(pid)]:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+class Monitor:
+    """Every 2 s: the machine's load average and each balancer's RSS."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.load: list[float] = []
+        self.rss_max: dict[str, int] = {}
+        self.every = observe.Every("compare-monitor", 2.0, self.tick, CELL_MAX_S)
+
+    def tick(self) -> None:
+        self.load.append(loadavg())
+        for node in self.fleet.nodes:
+            rss = self.fleet.rss_kib(f"lb-{node}") or 0
+            self.rss_max[node] = max(self.rss_max.get(node, 0), rss)
+
+
+# --- the writer ------------------------------------------------------------------
+
+
+class Writer:
+    """Updates ConfigMap ``tick`` (data.seq = 1, 2, ...) every WRITE_PERIOD seconds,
+    straight on an API server not in ``avoid`` (over the bridge, never a balancer)."""
+
+    def __init__(self, cp: Any) -> None:
+        self.cp = cp
+        self.avoid: set[str] = set()
+        self.seq = 0
+        self.written: list[tuple[int, float]] = []  # (seq, time acknowledged)
+        self.failures = 0
+        self.every = observe.Every("compare-writer", WRITE_PERIOD, self.tick, CELL_MAX_S)
+
+    def tick(self) -> None:
+        self.seq += 1
+        path = f"/api/v1/namespaces/{NAMESPACE}/configmaps/{CONFIGMAP}"
+        body = [{"op": "replace", "path": "/data", "value": {"seq": str(self.seq)}}]
+        for api in cphost.APISERVERS:
+            if api in self.avoid or self.cp.pid(api) is None:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                if _patch(self.cp, api, path, body)[0] == 200:
+                    self.written.append((self.seq, time.time()))
+                    return
+        self.failures += 1
+
+
+def _patch(cp: Any, api: str, path: str, body: Any) -> tuple[int, Any]:
+    """A JSON patch (cp.request sends application/json; a patch needs its own type)."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"https://{cp.endpoint(api)}{path}", method="PATCH",
+                                 data=json.dumps(body).encode())
+    req.add_header("Authorization", f"Bearer {cp.token('admin')}")
+    req.add_header("Content-Type", "application/json-patch+json")
+    try:
+        with cpplane._sni_opener(cp.ssl_context()).open(req, timeout=2) as resp:
+            return resp.status, None
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, None
+    except ssl.SSLError as exc:
+        raise OSError(str(exc)) from exc
+
+
+# --- one cell ---------------------------------------------------------------------
+
+
+def kubelet_requests(fleet: Fleet) -> dict[str, dict[str, int]]:
+    """Per node, the kubelet's rest_client_requests_total by code (its own metrics,
+    read on its port 10250 inside the node's namespace; kubemark serves plain HTTP)."""
+    probe = ("import urllib.request,sys;sys.stdout.write(urllib.request.urlopen("
+             "'http://127.0.0.1:10250/metrics',timeout=5).read().decode())")
+    out: dict[str, dict[str, int]] = {}
+    rx = re.compile(r'^rest_client_requests_total\{code="([^"]*)".*\}\s+(\S+)$')
+    for node in fleet.nodes:
+        counts: dict[str, int] = {}
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+            proc = fleet.in_netns(node, [sys.executable, "-c", probe], timeout=15)
+            for line in proc.stdout.splitlines():
+                m = rx.match(line)
+                if m:
+                    counts[m.group(1)] = counts.get(m.group(1), 0) + int(float(m.group(2)))
+        out[node] = counts
+    return out
+
+
+def failed_requests(before: dict[str, int], after: dict[str, int]) -> int:
+    """Requests that failed: no answer (``<error>``), 5xx, 429."""
+    bad = [c for c in after if c == "<error>" or c.startswith("5") or c == "429"]
+    return sum(after.get(c, 0) - before.get(c, 0) for c in bad)
+
+
+def restore(cp: Any, fleet: Fleet, without: set[str] = frozenset()) -> None:
+    """Every API server (but ``without``) running, awake, joined to etcd and ready."""
+    for api in cphost.APISERVERS:
+        cp.heal(api)
+        if cp.pid(api) is not None:
+            cp.cont(api)
+    for api in cphost.APISERVERS:
+        if api in without:
+            if cp.pid(api) is not None:
+                stop_api(cp, api)
+        elif cp.pid(api) is None:
+            cp.start(api, cp.extra_args(api))
+    cp.wait_ready([a for a in cphost.APISERVERS if a not in without], timeout=READY_TIMEOUT)
+
+
+def stop_api(cp: Any, api: str) -> bool:
+    """SIGTERM and wait for the exit; SIGKILL after EXIT_TIMEOUT. True: exited on TERM."""
+    cp.term(api)
+    if cp.wait_exit(api, EXIT_TIMEOUT):
+        return True
+    with contextlib.suppress(cphost.CPError):
+        cp.kill(api)
+    return False
+
+
+class Cell:
+    """One fault through one balancer: set up, run, measure, always clean up."""
+
+    def __init__(self, cp: Any, fleet: Fleet, fault: str, kubectl: str) -> None:
+        self.cp, self.fleet, self.fault, self.kubectl = cp, fleet, fault, kubectl
+        self.notes: list[str] = []
+
+    def _avoid(self, apis: set[str]) -> None:
+        self.sampler.avoid = set(apis)
+        self.writer.avoid = set(apis)
+
+    def _controllers_off(self, api: str) -> None:
+        """The controllers must see the fault from a server not under it."""
+        if self.fleet.state["controllers_api"] == api:
+            other = next(a for a in cphost.APISERVERS
+                         if a != api and self.cp.pid(a) is not None)
+            self.fleet.move_controllers(other)
+            self.notes.append(f"controllers moved to {other}")
+
+    def _sleep_until(self, t: float) -> None:
+        for _ in range(int(CELL_MAX_S) + 1):
+            if time.time() >= t:
+                return
+            self.fleet.check_alive()
+            time.sleep(min(1.0, max(0.0, t - time.time())))
+
+    def _start_clients(self, duration: float) -> None:
+        cp, fleet = self.cp, self.fleet
+        status, body = cp.request(fleet_api(cp), f"/api/v1/namespaces/{NAMESPACE}/configmaps/"
+                                  f"{CONFIGMAP}")
+        if status != 200:
+            raise FleetError(f"ConfigMap {NAMESPACE}/{CONFIGMAP}: {status} {body}")
+        rv = body["metadata"]["resourceVersion"]
+        for node in fleet.nodes:
+            d = fleet.node_dir(node)
+            kc = d / "clients.kubeconfig"
+            kc.write_text(balancers.kubeconfig_text(
+                f"https://127.0.0.1:{balancers.LB_PORT}", fleet._node_files(node, []),
+                token=cp.token("admin")))
+            kc.chmod(0o600)
+            out = d / f"clients-{self.fault}.jsonl"
+            out.unlink(missing_ok=True)
+            fleet.spawn(f"clients-{node}", fleet.netns(node), [
+                sys.executable, "-m", "epscripts.fleet.clients", f"--kubectl={self.kubectl}",
+                f"--kubeconfig={kc}", f"--ca={cp.ca}", f"--token-file={cp.token_file()}",
+                f"--namespace={NAMESPACE}", f"--configmap={CONFIGMAP}", f"--rv={rv}",
+                f"--out={out}", f"--duration={duration:.0f}",
+                f"--period={REQUEST_PERIOD:g}"],
+                {"PYTHONPATH": str(repo_root() / "scripts")})
+
+    def _stop_clients(self) -> None:
+        for node in self.fleet.nodes:
+            self.fleet.stop_proc(f"clients-{node}", signal.SIGTERM, timeout=15)
+            if self.cp.pid(f"clients-{node}") is not None:
+                self.fleet.stop_proc(f"clients-{node}", signal.SIGKILL)
+
+    def run(self) -> dict[str, Any]:
+        cp, fleet = self.cp, self.fleet
+        t_cell = time.monotonic()
+        self.sampler = observe.Sampler(cp, fleet.nodes, period=1.0)
+        self.writer = Writer(cp)
+        monitor = Monitor(fleet)
+        self._start_clients(CELL_MAX_S)
+        self.sampler.start()
+        self.writer.every.start()
+        monitor.every.start()
+        try:
+            return self._run(t_cell, monitor)
+        finally:
+            monitor.every.stop()
+            self.writer.every.stop()
+            self.sampler.stop()
+            self._stop_clients()
+
+    def _settle(self) -> float:
+        """Every node Ready and its Lease renewed SETTLE_RENEWALS times from now."""
+        t0 = time.time()
+        limit = SETTLE_RENEWALS * RENEW + 40
+        deadline = time.monotonic() + limit
+        for _ in range(int(limit / 0.5) + 1):
+            fleet = self.fleet
+            fleet.check_alive()
+            fresh = {n: sum(1 for t in self.sampler.renewals.get(n, ()) if t > t0)
+                     for n in fleet.nodes}
+            last = self.sampler.samples[-1] if self.sampler.samples else None
+            if (last is not None and last.t > t0 and not last.not_ready
+                    and min(fresh.values()) >= SETTLE_RENEWALS):
+                return time.time() - t0
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        raise FleetError(f"fleet not settled in {limit:g}s: renewals since {fresh}, "
+                         f"not ready {last and last.not_ready}")
+
+    def _run(self, t_cell: float, monitor: Monitor) -> dict[str, Any]:
+        cp, fleet = self.cp, self.fleet
+        settle_s = self._settle()
+        kube_before = kubelet_requests(fleet)
+        cpu_before = {n: cpu_ticks(cp.pid(f"lb-{n}")) for n in fleet.nodes}
+        kubelet_apis_before = observe.kubelet_apis(cp, fleet)
+        # The kubectl watches' servers (the request loop's connections live ~10 ms).
+        watch_apis_before = observe.kubelet_apis(cp, fleet, owner="kubectl")
+        t_wall0 = time.monotonic()
+        t_fault = time.time()
+        target = self._fault(kubelet_apis_before, watch_apis_before, t_fault)
+        t_end = time.time()
+        wall = time.monotonic() - t_wall0
+        peers = {fleet.state["nodes"][n]["ip"]: n for n in fleet.nodes}
+        conns = observe.connections(cp, peers)
+        per_api = {a: sum(v for k, v in conns[a].items() if k in fleet.nodes)
+                   for a in cphost.APISERVERS}
+        kubelet_apis_after = observe.kubelet_apis(cp, fleet)
+        kube_after = kubelet_requests(fleet)
+        cpu_s = {n: (cpu_ticks(cp.pid(f"lb-{n}")) - cpu_before[n]) / os.sysconf("SC_CLK_TCK")
+                 for n in fleet.nodes}
+        self._stop_clients()
+        gaps = self.sampler.lease_gaps(since=t_fault, until=t_end)
+        not_ready = self.sampler.not_ready(since=t_fault)
+        watch = {n: watch_figures(fleet.node_dir(n) / f"clients-{self.fault}.jsonl",
+                                  self.writer.written, t_fault, t_end) for n in fleet.nodes}
+        mean = sum(per_api.values()) / len(per_api)
+        return {
+            "fault": self.fault, "lb": fleet.state["lb"], "target": target,
+            "nodes": len(fleet.nodes), "settle_s": round(settle_s, 1),
+            "fault_window_s": round(wall, 1), "notes": self.notes,
+            "not_ready": {n: [f"+{t - t_fault:.0f}s {why}" for t, why in v[:1]]
+                          + [f"{len(v)} samples"] for n, v in not_ready.items()},
+            "lease_gap_max_s": round(max(gaps.values()), 2),
+            "lease_gaps_s": {n: round(g, 2) for n, g in gaps.items()},
+            "kubelet_failed": {n: failed_requests(kube_before[n], kube_after[n])
+                               for n in fleet.nodes},
+            "kubelet_codes_delta": {n: {c: kube_after[n].get(c, 0) - kube_before[n].get(c, 0)
+                                        for c in kube_after[n]
+                                        if kube_after[n].get(c, 0) != kube_before[n].get(c, 0)}
+                                    for n in fleet.nodes},
+            "watch": watch,
+            "connections_after": per_api,
+            "skew_after": round(max(per_api.values()) / mean, 2) if mean else None,
+            "kubelet_apis_before": kubelet_apis_before,
+            "watch_apis_before": watch_apis_before,
+            "exposed": {"kubelets": sum(1 for v in kubelet_apis_before.values()
+                                        if set(v) & set(target.split(","))),
+                        "watches": sum(1 for v in watch_apis_before.values()
+                                       if set(v) & set(target.split(",")))},
+            "kubelet_apis_after": kubelet_apis_after,
+            "lb_cpu_s": {n: round(v, 2) for n, v in cpu_s.items()},
+            "lb_cpu_pct": {n: round(100 * v / wall, 1) for n, v in cpu_s.items()},
+            "lb_rss_mib": {n: round(v / 1024, 1) for n, v in monitor.rss_max.items()},
+            "load": {"mean": round(sum(monitor.load) / max(1, len(monitor.load)), 2),
+                     "max": max(monitor.load, default=0.0)},
+            "writer_failures": self.writer.failures,
+            "sampler_failed_polls": self.sampler.failed_polls,
+            "cell_s": round(time.monotonic() - t_cell, 1),
+        }
+
+    # -- the faults --
+
+    def _fault(self, kubelet_apis: dict[str, list[str]], watch_apis: dict[str, list[str]],
+               t0: float) -> str:
+        cp = self.cp
+        if self.fault == "scaleout":
+            cp.start("api3", cp.extra_args("api3"))
+            took = cp.wait_ready(["api3"], timeout=READY_TIMEOUT)
+            self.notes.append(f"api3 ready and in the slice {took:.1f}s after start")
+            self._sleep_until(t0 + WATCH_MIN)
+            return "api3"
+        if self.fault == "rolling":
+            t_last = t0
+            for api in cphost.APISERVERS:
+                self._controllers_off(api)
+                self._avoid({api})
+                t_step = time.time()
+                clean = stop_api(cp, api)
+                exited = time.time() - t_step
+                cp.start(api, cp.extra_args(api))
+                ready = cp.wait_ready([api], timeout=READY_TIMEOUT)
+                self.notes.append(f"{api}: exited {exited:.1f}s after SIGTERM"
+                                  f"{'' if clean else ' (SIGKILL)'}, ready {ready:.1f}s "
+                                  "after start")
+                t_last = time.time()
+            self._avoid(set())
+            self._sleep_until(max(t_last + AFTER_S, t0 + WATCH_MIN))
+            return "api1,api2,api3"
+        # The server whose fault reaches the most clients: kubelets first, then watches.
+        def reach(a: str) -> tuple[int, int]:
+            return (sum(a in v for v in kubelet_apis.values()),
+                    sum(a in v for v in watch_apis.values()))
+
+        target = max(cphost.APISERVERS, key=reach)
+        self._controllers_off(target)
+        self._avoid({target})
+        t0 = time.time()  # after a controllers move
+        if self.fault == "kill":
+            cp.kill(target)
+            self._sleep_until(t0 + KILL_DOWN_S)
+            cp.start(target, cp.extra_args(target))
+            ready = cp.wait_ready([target], timeout=READY_TIMEOUT)
+            self.notes.append(f"{target} restarted at +{KILL_DOWN_S:g}s, ready "
+                              f"{ready:.1f}s later")
+            end = t0 + WATCH_MIN
+        else:
+            # (start the fault, undo it, how long it lasts); undone also after an error.
+            begin, undo, lasts = {"stop": (cp.stop, cp.cont, STOP_S),
+                                  "partition": (cp.partition_etcd, cp.heal, PARTITION_S),
+                                  }[self.fault]
+            begin(target)
+            try:
+                self._sleep_until(t0 + lasts)
+            finally:
+                undo(target)
+            end = t0 + max(WATCH_MIN, lasts + AFTER_S)
+        self._sleep_until(end)
+        self._avoid(set())
+        return target
+
+
+def fleet_api(cp: Any) -> str:
+    return next(a for a in cphost.APISERVERS if cp.pid(a) is not None)
+
+
+def watch_figures(path: Path, written: list[tuple[int, float]], t0: float,
+                  t1: float) -> dict[str, Any]:
+    """The node's watch in [t0, t1]: longest time without a tick event, reconnects,
+    events written in the window (acknowledged 10 s before its end) never received;
+    its request loop: failed requests and the longest run without a success."""
+    recs = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                recs.append(json.loads(line))
+    ev = sorted(r["t"] for r in recs if r.get("kind") == "event" and r.get("name") == CONFIGMAP)
+    seen = {r["seq"] for r in recs if r.get("kind") == "event" and r.get("seq") is not None}
+    before = [t for t in ev if t < t0]
+    inside = [t for t in ev if t0 <= t <= t1]
+    points = ([before[-1]] if before else [t0]) + inside + [t1]
+    gap = max(b - a for a, b in itertools.pairwise(points))
+    due = [s for s, t in written if t0 <= t <= t1 - 10]
+    lost = [s for s in due if s not in seen]
+    reqs = [r for r in recs if r.get("kind") == "req" and t0 <= r["t"] <= t1]
+    ok_times = [t0] + [r["t"] for r in reqs if r["ok"]] + [t1]
+    errors: dict[str, int] = {}
+    for r in reqs:
+        if not r["ok"]:
+            key = r.get("err", f"HTTP {r.get('status')}").split(":")[0]
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "gap_max_s": round(gap, 2),
+        "reconnects": sum(1 for r in recs if r.get("kind") == "watch-end" and t0 <= r["t"] <= t1),
+        "relists": sum(1 for r in recs if r.get("kind") == "relist" and t0 <= r["t"] <= t1),
+        "events_due": len(due), "lost": len(lost),
+        "requests": len(reqs), "requests_failed": sum(1 for r in reqs if not r["ok"]),
+        "request_errors": errors,
+        "request_gap_max_s": round(max(b - a for a, b in itertools.pairwise(ok_times)), 2),
+    }
+
+
+# --- one balancer -------------------------------------------------------------------
+
+
+def run_balancer(lb: str, faults: list[str], nodes: int, ep_cmd: list[str],
+                 go_bin: str | None, results: list[dict[str, Any]]) -> None:
+    cp = cpplane.ControlPlane.create(owner_pid=os.getpid())
+    fleet: Fleet | None = None
+    try:
+        _log(f"{lb}: control plane {cp.id} up in {cp.up():.1f}s")
+        status, body = cp.request("api1", "/api/v1/namespaces", method="POST",
+                                  body={"metadata": {"name": NAMESPACE}})
+        if status not in (201, 409):
+            raise FleetError(f"namespace {NAMESPACE}: {status} {body}")
+        status, body = cp.request("api1", f"/api/v1/namespaces/{NAMESPACE}/configmaps",
+                                  method="POST", body={"metadata": {"name": CONFIGMAP},
+                                                       "data": {"seq": "0"}})
+        if status not in (201, 409):
+            raise FleetError(f"ConfigMap {CONFIGMAP}: {status} {body}")
+        if faults and faults[0] == "scaleout":
+            stop_api(cp, "api3")
+        fleet = Fleet(cp)
+        extra = list(EP_RECOMMENDED) if lb == "extractedprism" else []
+        took = fleet.up(nodes, lb, ep_cmd=ep_cmd, go_original_bin=go_bin, lb_extra=extra,
+                        controllers_api="api1", timeout=READY_TIMEOUT)
+        _log(f"{lb}: {nodes} nodes Ready in {took:.1f}s")
+        for fault in faults:
+            if fault != "scaleout" or faults[0] != "scaleout":
+                restore(cp, fleet, without={"api3"} if fault == "scaleout" else set())
+            _log(f"{lb}: {fault} ...")
+            try:
+                row = Cell(cp, fleet, fault, cp.binary("kubectl")).run()
+            except (FleetError, cphost.CPError, TimeoutError, OSError) as exc:
+                row = {"fault": fault, "lb": lb, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+                _log(f"{lb}: {fault} failed: {row['error']}")
+                results.append(row)
+                if not fleet_alive(fleet):
+                    break
+                continue
+            row["run"] = RUN_STARTED[0]
+            results.append(row)
+            _log(f"{lb}: {fault}: {summary(row)}")
+    finally:
+        if fleet is not None:
+            for line in fleet.down():
+                _log(line)
+        for line in cp.down():
+            _log(line)
+        shutil.rmtree(cp.dir / "etcd-data", ignore_errors=True)
+
+
+def fleet_alive(fleet: Fleet) -> bool:
+    try:
+        fleet.check_alive()
+        return True
+    except FleetError:
+        return False
+
+
+def summary(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"ERROR {row['error'][:200]}"
+    w = row["watch"]
+    return (f"NotReady {sorted(row['not_ready']) or 'none'}; Lease gap {row['lease_gap_max_s']}s;"
+            f" kubelet failed {sum(row['kubelet_failed'].values())}; watch gap "
+            f"{max(v['gap_max_s'] for v in w.values())}s lost "
+            f"{sum(v['lost'] for v in w.values())}; requests failed "
+            f"{sum(v['requests_failed'] for v in w.values())}; skew {row['skew_after']} "
+            f"{row['connections_after']}; load {row['load']}")
+
+
+# --- versions and the document ----------------------------------------------------------
+
+
+def versions(lbs: list[str], ep_cmd: list[str], go_bin: str | None) -> dict[str, str]:
+    def out(argv: list[str]) -> str:
+        try:
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"? ({exc})"
+        return (p.stdout + p.stderr).strip().splitlines()[0] if (p.stdout + p.stderr) else "?"
+
+    v = {"kubernetes": cpbuild.KUBERNETES_VERSION, "etcd": cpbuild.ETCD_VERSION,
+         "kernel": platform.release(), "cpus": str(os.cpu_count()),
+         "extractedprism": subprocess.run(
+             ["git", "-C", str(repo_root()), "rev-parse", "--short=12", "HEAD"],
+             capture_output=True, text=True).stdout.strip(),
+         "python": out([ep_cmd[0], "--version"])}
+    if "haproxy" in lbs:
+        v["haproxy"] = out(["haproxy", "-v"])
+    if "nginx" in lbs:
+        v["nginx"] = out(["nginx", "-v"])
+    if "go-original" in lbs and go_bin:
+        import hashlib
+
+        v["go-original"] = (f"{out([go_bin, '--version'])}, binary sha256 "
+                            f"{hashlib.sha256(Path(go_bin).read_bytes()).hexdigest()[:16]}")
+    return v
+
+
+def main(argv: list[str] | None = None) -> int:
+    from epscripts.fleet import compare_doc
+
+    p = argparse.ArgumentParser(prog="scripts/compare", description=__doc__.split("\n")[0])
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help=f"comma-separated, in this order (default: {','.join(FAULTS)})")
+    p.add_argument("--lbs", default="extractedprism,haproxy,nginx,go-original",
+                   help="comma-separated balancers (go-original needs --go-original-bin)")
+    p.add_argument("--nodes", type=int, default=NODES_DEFAULT)
+    p.add_argument("--go-original-bin", help="lexfrei/extractedprism, built by hand")
+    p.add_argument("--ep-cmd", help="command that runs extractedprism (default: "
+                   f"{' '.join(default_ep_cmd())})")
+    p.add_argument("--results", default=RESULTS, help="JSON results (relative: to the repo)")
+    p.add_argument("--doc", default=DOC, help="the rendered document (relative: to the repo)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the cells of --results this run does not measure")
+    p.add_argument("--render-only", action="store_true", help="only render --results")
+    args = p.parse_args(argv)
+    results_path = repo_root() / args.results
+    doc_path = repo_root() / args.doc
+    if args.render_only:
+        compare_doc.write(doc_path, json.loads(results_path.read_text()))
+        return 0
+    faults = [f for f in args.faults.split(",") if f]
+    lbs = [b for b in args.lbs.split(",") if b]
+    bad = [f for f in faults if f not in FAULTS] + [b for b in lbs if b not in balancers.KINDS]
+    if bad:
+        p.error(f"unknown fault or balancer: {', '.join(bad)}")
+    faults = [f for f in FAULTS if f in faults]  # scaleout first: the fleet starts on two
+    ep_cmd = args.ep_cmd.split() if args.ep_cmd else default_ep_cmd()
+    skipped = {}
+    for lb in list(lbs):
+        why = balancers.missing(lb, ep_cmd, args.go_original_bin)
+        if why:
+            skipped[lb] = why
+            lbs.remove(lb)
+            _log(f"skipping {lb}: {why}")
+    why = cphost.missing_prerequisites() or (
+        f"fleet binaries missing: {cpbuild.missing(fleet=True)} (scripts/fleet build)"
+        if cpbuild.missing(fleet=True) else None)
+    if why:
+        _log(why)
+        return 1
+    os.environ.setdefault("EP_CONTROLPLANE_STATE", "/tmp/extractedprism-compare")
+    for line in cpplane.down_stale():
+        _log(line)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise Stop(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    old: dict[str, Any] = {}
+    if args.merge and results_path.exists():
+        old = json.loads(results_path.read_text())
+    results: list[dict[str, Any]] = []
+    t0 = time.time()
+    RUN_STARTED[0] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0))
+    doc = {"started": RUN_STARTED[0],
+           "argv": ["scripts/compare", *(argv if argv is not None else sys.argv[1:])],
+           "nodes": args.nodes, "faults": faults, "lbs": lbs, "skipped": skipped,
+           "ep_recommended": EP_RECOMMENDED, "versions": versions(lbs, ep_cmd,
+                                                                  args.go_original_bin),
+           "timing": {"kill_down_s": KILL_DOWN_S, "stop_s": STOP_S,
+                      "partition_s": PARTITION_S, "watch_min_s": WATCH_MIN,
+                      "after_s": AFTER_S, "write_period_s": WRITE_PERIOD,
+                      "request_period_s": REQUEST_PERIOD},
+           "results": results}
+
+    def save() -> None:
+        merged = dict(doc)
+        if old:
+            mine = {(r["lb"], r["fault"]) for r in results}
+            kept = [{"run": old.get("started"), **r} for r in old.get("results", [])
+                    if (r["lb"], r["fault"]) not in mine]
+            merged["results"] = kept + results
+            merged["runs"] = [*old.get("runs", [{"started": old.get("started"),
+                                                 "argv": old.get("argv")}]),
+                              {"started": doc["started"], "argv": doc["argv"]}]
+            merged["versions"] = {**old.get("versions", {}), **doc["versions"]}
+            merged["lbs"] = sorted(set(old.get("lbs", [])) | set(lbs),
+                                   key=balancers.KINDS.index)
+            merged["skipped"] = {k: v for k, v in {**old.get("skipped", {}), **skipped}.items()
+                                 if k not in merged["lbs"]}
+        results_path.write_text(json.dumps(merged, indent=1) + "\n")
+        compare_doc.write(doc_path, merged)
+
+    rc = 0
+    try:
+        for lb in lbs:
+            n = len(results)
+            try:
+                run_balancer(lb, faults, args.nodes, ep_cmd, args.go_original_bin, results)
+            except (FleetError, cphost.CPError, TimeoutError, OSError) as exc:
+                _log(f"{lb}: {type(exc).__name__}: {exc}")
+                done = {r["fault"] for r in results[n:]}
+                results.extend({"fault": f, "lb": lb, "error": f"{type(exc).__name__}: "
+                                f"{str(exc)[:500]}"} for f in faults if f not in done)
+                rc = 1
+            save()
+    except Stop as exc:
+        _log(f"stopped by {exc}; what was measured is saved")
+        rc = 130
+    finally:
+        doc["took_s"] = round(time.time() - t0)
+        save()
+        _log(f"wrote {results_path} and {doc_path} ({doc['took_s']} s)")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
