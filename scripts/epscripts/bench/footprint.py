@@ -64,6 +64,7 @@ from epscripts.bench.config import HarnessError
 from epscripts.bench.parse import parse_wrk, settled_rss
 from epscripts.bench.services import Proc, Procs, nginx_config, raise_nofile
 from epscripts.common import ROOT, free_port, wait_until
+from epscripts.fleet import balancers
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
 
 TARGETS = ("extractedprism", "ep-static", "haproxy", "nginx", "go")
@@ -110,93 +111,23 @@ def chart_env(tmp: Path, port: int, hport: int, endpoints: str, discovery: bool
 
 
 def haproxy_kubespray(port: int, hport: int, upstreams: list[tuple[str, int]]) -> str:
-    """kubespray's roles/kubernetes/node/templates/loadbalancer/haproxy.cfg.j2."""
-    servers = "".join(f"  server host{i} {h}:{p} check check-ssl verify none\n"
-                      for i, (h, p) in enumerate(upstreams))
-    return f"""global
-    maxconn                 4000
-
-defaults
-    mode                    http
-    option                  dontlognull
-    option                  http-server-close
-    option                  redispatch
-    retries                 5
-    timeout http-request    5m
-    timeout queue           5m
-    timeout connect         30s
-    timeout client          15m
-    timeout server          15m
-    timeout http-keep-alive 30s
-    timeout check           30s
-    maxconn                 4000
-
-frontend healthz
-  bind 127.0.0.1:{hport}
-  mode http
-  monitor-uri /healthz
-
-frontend kube_api_frontend
-  bind 127.0.0.1:{port}
-  mode tcp
-  default_backend kube_api_backend
-
-backend kube_api_backend
-  mode tcp
-  balance leastconn
-  default-server inter 15s downinter 15s rise 2 fall 2 slowstart 60s maxconn 1000 \
-maxqueue 256 weight 100
-  option httpchk GET /healthz
-  http-check expect status 200
-{servers}"""
+    """kubespray's haproxy.cfg.j2 as the fleet renders it, on this run's loopback ports."""
+    return balancers.haproxy_cfg([f"{h}:{p}" for h, p in upstreams], port=port,
+                                 health=f"127.0.0.1:{hport}")
 
 
 def nginx_kubespray(tmp: Path, port: int, hport: int, upstreams: list[tuple[str, int]]
                     ) -> str:
-    """kubespray's roles/kubernetes/node/templates/loadbalancer/nginx.conf.j2."""
-    servers = "".join(f"    server {h}:{p};\n" for h, p in upstreams)
+    """kubespray's nginx.conf.j2 as the fleet renders it, with a pid file and temporary
+    paths of this run's own (nginx runs here outside a container)."""
     user = "user root;\n" if os.geteuid() == 0 else ""
-    return f"""load_module /usr/lib/nginx/modules/ngx_stream_module.so;
-{user}error_log stderr notice;
-pid {tmp}/nginx-fp.pid;
-daemon off;
-worker_processes 2;
-worker_rlimit_nofile 130048;
-worker_shutdown_timeout 10s;
-events {{ multi_accept on; use epoll; worker_connections 16384; }}
-stream {{
-  upstream kube_apiserver {{
-    least_conn;
-{servers}  }}
-  server {{
-    listen 127.0.0.1:{port};
-    proxy_pass kube_apiserver;
-    proxy_timeout 10m;
-    proxy_connect_timeout 1s;
-  }}
-}}
-http {{
-  access_log off;
-  client_body_temp_path {tmp}/nginx-fp-body;
-  proxy_temp_path {tmp}/nginx-fp-proxy;
-  fastcgi_temp_path {tmp}/nginx-fp-fastcgi;
-  uwsgi_temp_path {tmp}/nginx-fp-uwsgi;
-  scgi_temp_path {tmp}/nginx-fp-scgi;
-  aio threads;
-  aio_write on;
-  tcp_nopush on;
-  tcp_nodelay on;
-  keepalive_timeout 5m;
-  keepalive_requests 100;
-  reset_timedout_connection on;
-  server_tokens off;
-  autoindex off;
-  server {{
-    listen 127.0.0.1:{hport};
-    location /healthz {{ access_log off; return 200; }}
-  }}
-}}
-"""
+    temps = "".join(f"  {k}_temp_path {tmp}/nginx-fp-{v};\n" for k, v in (
+        ("client_body", "body"), ("proxy", "proxy"), ("fastcgi", "fastcgi"),
+        ("uwsgi", "uwsgi"), ("scgi", "scgi")))
+    return balancers.nginx_conf([f"{h}:{p}" for h, p in upstreams], port=port,
+                                health=f"127.0.0.1:{hport}",
+                                head=f"{user}pid {tmp}/nginx-fp.pid;\ndaemon off;\n",
+                                http=f"  access_log off;\n{temps}")
 
 
 # --- measuring a process group ------------------------------------------------------------

@@ -62,8 +62,10 @@ class NodeFiles:
 PID_NS = ["unshare", "--pid", "--fork", "--kill-child"]
 
 
-def haproxy_cfg(endpoints: list[str]) -> str:
-    """kubespray's haproxy.cfg.j2, rendered with its defaults for these API servers."""
+def haproxy_cfg(endpoints: list[str], *, port: int = LB_PORT,
+                health: str = f"0.0.0.0:{KUBESPRAY_HEALTHCHECK_PORT}") -> str:
+    """kubespray's haproxy.cfg.j2, rendered with its defaults for these API servers
+    (``port`` and ``health``: where a bench puts it on a shared loopback instead)."""
     servers = "".join(f"  server api{i} {ep} check check-ssl verify none\n"
                       for i, ep in enumerate(endpoints, 1))
     # HAProxy 2.6 refuses a file whose last line lacks its newline: the text ends in one.
@@ -89,12 +91,12 @@ defaults
     maxconn                 4000
 
 frontend healthz
-  bind 0.0.0.0:{KUBESPRAY_HEALTHCHECK_PORT}
+  bind {health}
   mode http
   monitor-uri /healthz
 
 frontend kube_api_frontend
-  bind 127.0.0.1:{LB_PORT}
+  bind 127.0.0.1:{port}
   mode tcp
   option tcplog
   default_backend kube_api_backend
@@ -108,11 +110,15 @@ backend kube_api_backend
 {servers}"""
 
 
-def nginx_conf(endpoints: list[str]) -> str:
-    """kubespray's nginx.conf.j2 with its defaults; Debian loads the stream module."""
+def nginx_conf(endpoints: list[str], *, port: int = LB_PORT,
+               health: str = str(KUBESPRAY_HEALTHCHECK_PORT), head: str = "",
+               http: str = "") -> str:
+    """kubespray's nginx.conf.j2 with its defaults; Debian loads the stream module.
+    ``port``, ``health`` (a listen argument), ``head`` (main-context lines) and ``http``
+    (http-context lines) are for a bench that runs it outside a node."""
     servers = "".join(f"    server {ep};\n" for ep in endpoints)
     return f"""load_module {NGINX_STREAM_MODULE};
-error_log stderr notice;
+{head}error_log stderr notice;
 
 worker_processes 2;
 worker_rlimit_nofile 65535;
@@ -130,7 +136,7 @@ stream {{
 {servers}  }}
 
   server {{
-    listen        127.0.0.1:{LB_PORT};
+    listen        127.0.0.1:{port};
     proxy_pass    kube_apiserver;
     proxy_timeout 10m;
     proxy_connect_timeout 1s;
@@ -138,7 +144,7 @@ stream {{
 }}
 
 http {{
-  aio threads;
+{http}  aio threads;
   aio_write on;
   tcp_nopush on;
   tcp_nodelay on;
@@ -150,7 +156,7 @@ http {{
   autoindex off;
 
   server {{
-    listen {KUBESPRAY_HEALTHCHECK_PORT};
+    listen {health};
     location /healthz {{
       access_log off;
       return 200;
