@@ -102,10 +102,11 @@ def test_every_line_parses_through_drains_failures_and_discovery(
     assert all({"bytes_up", "bytes_down", "duration_seconds", "reason"} <= set(r)
                for r in closed)
     [dump] = has(recs, "thread dump")
-    # The held connections' pipe threads share a stack: one group (threads start on
-    # demand, so none need be parked here).
-    assert re.search(r"^--- \d+ threads: pipe-", dump["dump"], re.M), dump["dump"]
-    assert int(dump["threads"]) > int(dump["stacks"])
+    # The dump names the pipe threads by what they do. Whether two of them share a stack
+    # here depends on timing (threads start on demand, a warm one sleeps elsewhere than a
+    # parked one): the grouping itself is tests/unit/test_threaddump.py's.
+    assert re.search(r"^--- \d+ threads?: pipe-", dump["dump"], re.M), dump["dump"]
+    assert int(dump["threads"]) >= int(dump["stacks"]) > 0
 
 
 @pytest.mark.timeout(60)
