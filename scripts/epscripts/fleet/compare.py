@@ -655,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  "argv": old.get("argv")}]),
                               {"started": doc["started"], "argv": doc["argv"]}]
             merged["versions"] = {**old.get("versions", {}), **doc["versions"]}
+            merged["faults"] = [f for f in FAULTS if f in set(old.get("faults", [])) | set(faults)]
             merged["lbs"] = sorted(set(old.get("lbs", [])) | set(lbs),
                                    key=balancers.KINDS.index)
             merged["skipped"] = {k: v for k, v in {**old.get("skipped", {}), **skipped}.items()

@@ -86,9 +86,12 @@ def _exposed(row: dict[str, Any]) -> str:
     if "error" in row:
         return "error"
     e = row.get("exposed")
-    if not e:
-        return "?"
-    return f"{row['target']}: {e['kubelets']} / {e['watches']} of {row['nodes']}"
+    if e:
+        return f"{row['target']}: {e['kubelets']} / {e['watches']} of {row['nodes']}"
+    # Cells of runs before the watches' servers were recorded: the kubelets only.
+    on = set(row["target"].split(","))
+    kubelets = sum(1 for v in row["kubelet_apis_before"].values() if on & set(v))
+    return f"{row['target']}: {kubelets} / (not recorded) of {row['nodes']}"
 
 
 def _resources(row: dict[str, Any]) -> str:
