@@ -86,7 +86,8 @@ def _row(lb: str, gap: float, nr: dict | None = None) -> dict:
             "lease_gap_max_s": gap, "lease_gaps_s": {"n1": gap},
             "kubelet_failed": {"n1": 0}, "kubelet_codes_delta": {"n1": {}},
             "watch": {"n1": w}, "connections_after": {"api1": 1, "api2": 1, "api3": 1},
-            "skew_after": 1.0, "kubelet_apis_after": {"n1": ["api1"]},
+            "skew_after": 1.0, "kubelet_apis_before": {"n1": ["api2"]}, "nodes": 1,
+            "kubelet_apis_after": {"n1": ["api1"]},
             "lb_rss_mib": {"n1": 50.0}, "lb_cpu_s": {"n1": 1.0}, "fault_window_s": 60.0,
             "load": {"mean": 3.0, "max": 4.0}, "writer_failures": 0, "notes": []}
 
