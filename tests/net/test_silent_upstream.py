@@ -208,6 +208,11 @@ def test_cleartext_first_write_reaches_exactly_one_upstream(make_app, fakes, rel
     app = make_app([a.endpoint, b.endpoint], health_interval=PROBES_OFF,
                    health_timeout=1.0, answer_hedge_delay=hedge, relay=relay)
     if path == "panic":
+        # The ticker's first round probes both (and finds them up): forced down only after
+        # it, or its late success would make one pickable again.
+        wait_until(lambda: all(u.last_check_at is not None
+                               for u in app.registry.snapshot().upstreams), 10,
+                   message="first probe round")
         for f in (a, b):
             for _ in range(2):
                 app.registry.record_probe(f.address, ProbeResult(False, None, "test: down"))
