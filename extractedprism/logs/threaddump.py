@@ -1,9 +1,8 @@
 """SIGUSR1's thread dump: threads with identical stacks grouped, as one text block.
 
-A goroutine-style dump of 70 threads, 63 of them idle pipe threads parked in the same
+A goroutine-style dump of a busy proxy, hundreds of pipe threads relaying in the same
 place, is mostly repetition; grouped it is a dozen stacks, each under a header such as
-``63 threads: pipe-idle-* parked in _park (extractedprism/datapath/pool.py:185)``
-naming the innermost
+``400 threads: pipe-* in run_judged (datapath/pipe.py:257)`` naming the innermost
 frame of this package (where the thread *is*, rather than the ``threading`` wait it
 sits in). The caller logs the block as one record, so a log collector keeps it whole.
 """
