@@ -55,6 +55,9 @@ PRODUCTION: tuple[Setting, ...] = (
     Setting("unready-drain-timeout", "3s",
             "an unready API server's stuck watches move within 3 s, not the 30 s kept for "
             "removed ones"),
+    Setting("stall-timeout", "2s",
+            "a request unanswered for 2 s (the node's own traffic) runs its API server's "
+            "next check now"),
     Setting("upstream-selection", "least-conn",
             "new connections avoid a server piling up hung ones and fill the emptiest after "
             "a roll"),

@@ -69,6 +69,9 @@ def gil_cpu_valid(value: str) -> bool:
 
 # 0 (off) or long enough that one close per interval stays gentle.
 REBALANCE_INTERVAL = Check(lambda v: v == 0 or v >= 0.1, "must be 0 (off) or at least 100ms")
+# 0 (off) or long enough that the sampling (a quarter of it) stays cheap and an ordinary
+# answer's round trip is never taken for a stall.
+STALL_TIMEOUT = Check(lambda v: v == 0 or v >= 0.5, "must be 0 (off) or at least 500ms")
 
 
 class ConfigError(Error, ValueError):
@@ -182,6 +185,17 @@ FLAGS: tuple[Flag, ...] = (
         "picks by weight, least-conn compares connections / weight, latency weighs inside "
         "the tier, rebalancing shares by weight (0: off)",
         checks=(NOT_NEGATIVE,),
+    ),
+    Flag(
+        "stall-timeout",
+        "duration",
+        "0s",
+        "A connection stalls when its client has sent bytes and its upstream has sent "
+        "nothing back for this long (sampled from the relay's byte counters); a stall runs "
+        "its upstream's next health check now (at most once per upstream per stall "
+        "timeout), and that check counts like any other: a stall alone never closes a "
+        "connection or marks an upstream down (0: off)",
+        checks=(STALL_TIMEOUT,),
     ),
     Flag(
         "health-check",

@@ -59,6 +59,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "rebalance-interval": "30s",
     "rebalance-quiet": "10s",
     "slow-start": "1m",
+    "stall-timeout": "2s",
     "health-check": "readyz",
     "health-check-ca-file": "/etc/extractedprism/readyz/ca.crt",
     "health-check-cert-file": "/var/lib/kubelet/pki/kubelet-client-current.pem",
