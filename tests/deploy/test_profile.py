@@ -220,3 +220,10 @@ def test_no_old_recommendation_is_left_to_contradict_it(path: str) -> None:
     text = (ROOT / path).read_text()
     assert "Failure detection: recommended timings" not in text
     assert "#failure-detection-recommended-timings" not in text
+
+
+def test_sync_script_finds_every_file_up_to_date() -> None:
+    proc = subprocess.run([str(ROOT / "scripts" / "sync-profile"), "--check"],
+                          capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
