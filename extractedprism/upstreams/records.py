@@ -29,6 +29,7 @@ class Tracked(Protocol):
     started: float
     bytes_up: int
     bytes_down: int
+    up_answered: int  # bytes_up when the upstream's latest bytes were read (stall check)
 
     def close(self) -> None: ...
 

@@ -597,13 +597,16 @@ class Registry:
 
     @staticmethod
     def _sample_record_locked(rec: Record, now: float) -> None:
+        # bytes_up is read before up_answered (arguments go left to right): the mark only
+        # grows and never passes bytes_up, so a read racing the relay errs toward
+        # "answered", never toward a stall that was not.
         acts = rec.activity
         for key, conn in rec.conns.items():
             act = acts.get(key)
             if act is None:
-                acts[key] = Activity(now, conn.bytes_up, conn.bytes_down)
+                acts[key] = Activity(now, conn.bytes_up, conn.bytes_down, conn.up_answered)
             else:
-                act.sample(now, conn.bytes_up, conn.bytes_down)
+                act.sample(now, conn.bytes_up, conn.bytes_down, conn.up_answered)
 
     def _stalls_locked(self, addr: str, rec: Record, now: float, fx: Effects) -> None:
         """Count ``addr``'s newly stalled connections; a stall not yet covered by a check

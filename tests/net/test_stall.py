@@ -152,14 +152,6 @@ def clients():  # type: ignore[no-untyped-def]
         c.close()
 
 
-def settle() -> None:
-    """Let the sampler see a new connection's answered exchange before the next request:
-    a sample that sees both counts grow takes the client's bytes as answered
-    (upstreams/activity.py), so a request sent in the same sample period as the answer
-    before it is not timed."""
-    time.sleep(3 * PERIOD)
-
-
 def start(make_app, ups, ca, tmp_path, **flags):  # type: ignore[no-untyped-def]
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
@@ -240,8 +232,7 @@ def test_a_slow_answer_on_a_healthy_upstream_costs_one_check_and_nothing_else(
     app = start(make_app, ups, ca, tmp_path, relay=relay)
     bad = ups[0]
     bad.slow_delay = 2 * STALL
-    c = clients(app, ca, "up0")
-    settle()
+    c = clients(app, ca, "up0")  # a new connection, its first request answered just now
     t0 = time.monotonic()
     c.send("/slow")
     deadline = t0 + 2 * STALL + SLACK
@@ -292,7 +283,6 @@ def test_stall_checks_are_rate_limited_per_upstream(make_app, ups, ca, tmp_path,
     bad = ups[0]
     bad.slow_delay = 4 * STALL
     conns = [clients(app, ca, "up0") for _ in range(6)]
-    settle()
     t0 = time.monotonic()
     for c in conns:  # each stalls a quarter of a stall timeout after the one before
         c.send("/slow")
