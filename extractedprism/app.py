@@ -56,6 +56,7 @@ from extractedprism.upstreams.actions import AdminActions
 from extractedprism.upstreams.effects import Change
 from extractedprism.upstreams.rebalancer import Rebalancer
 from extractedprism.upstreams.registry import Registry
+from extractedprism.upstreams.sampler import Sampler
 
 if TYPE_CHECKING:
     from extractedprism.discovery.watch import KubernetesProvider
@@ -88,6 +89,7 @@ class App:
             rebalance_interval=config.rebalance_interval,
             rebalance_quiet=config.rebalance_quiet,
             slow_start=config.slow_start,
+            stall_timeout=config.stall_timeout,
         )
         self.metrics.attach_state(self.registry.snapshot)
         self.started_wall = time.time()
@@ -116,12 +118,17 @@ class App:
                            dial_hedge_delay=config.dial_hedge_delay,
                            answer_hedge_delay=config.answer_hedge_delay,
                            on_accept_loop=self._accept_turned)
-        # --rebalance-interval: its own thread, only when on (upstreams/rebalancer.py).
+        # --rebalance-interval: rounds on the conn-sampler thread (upstreams/rebalancer.py).
         self.rebalancer = (Rebalancer(self.registry, interval=config.rebalance_interval,
-                                      quiet=config.rebalance_quiet, stop=self.stop_event,
+                                      quiet=config.rebalance_quiet,
                                       # its own draws: the registry's picks stay as seeded
                                       rng=random.Random(rng.random()) if rng else None)
                            if config.rebalance_interval > 0 else None)
+        # The conn-sampler thread reads the relays' byte counters for rebalancing and the
+        # stall check; only when one of them is on (upstreams/sampler.py).
+        self.sampler = (Sampler(self.registry, stall_timeout=config.stall_timeout,
+                                rebalancer=self.rebalancer, stop=self.stop_event)
+                        if self.rebalancer is not None or config.stall_timeout > 0 else None)
         self.heartbeat = Heartbeat(lock_free=functools.partial(lock_free, self.registry.lock),
                                    acceptor=self.proxy, ticker=self.ticker,
                                    interval=config.liveness_interval,
@@ -284,8 +291,8 @@ class App:
         if cfg.enable_discovery:
             self._start_discovery()
         self.ticker.start()
-        if self.rebalancer is not None:
-            self.rebalancer.start()
+        if self.sampler is not None:
+            self.sampler.start()
         self.proxy.start()
         self.heartbeat.start()
         self.health.start()
@@ -425,8 +432,8 @@ class App:
         if self.discovery is not None:
             ok &= bool(self.discovery.stop_and_join(left()))
         ok &= self.ticker.join(left())
-        if self.rebalancer is not None:
-            ok &= self.rebalancer.join(left())
+        if self.sampler is not None:
+            ok &= self.sampler.join(left())
         if self._state_writer is not None:
             ok &= self._state_writer.join(left())
         self.heartbeat.join(min(HEARTBEAT_JOIN_S, left()))

@@ -43,7 +43,7 @@ class Conn:
     def __init__(self, name: str) -> None:
         self.client = name
         self.started = 0.0
-        self.bytes_up = self.bytes_down = 0
+        self.bytes_up = self.bytes_down = self.up_answered = 0
         self.closed = False
 
     def close(self) -> None:
