@@ -93,6 +93,29 @@ def chain(log: str, addr: str, t0: float, t1: float) -> list[str]:
     return out
 
 
+_KLOG = re.compile(r'^([EW])(\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) +\d+ [^\]]*\] "([^"]*)"'
+                   r'(?: err="(.*))?')
+
+
+def kubelet_errors(log: str, t0: float, t1: float) -> list[str]:
+    """The kubelet's errors and warnings about its Lease and node status in [t0, t1], as
+    ``+S.Ss kubelet: message (error)`` (klog's time of day, in this machine's zone)."""
+    day = datetime.datetime.fromtimestamp(t0)
+    out = []
+    for line in log.splitlines():
+        m = _KLOG.match(line)
+        if not m or not re.search(r"lease|node status", m.group(5), re.I):
+            continue
+        clock = datetime.datetime.strptime(m.group(4)[:15], "%H:%M:%S.%f").time()
+        t = datetime.datetime.combine(day.date().replace(month=int(m.group(2)),
+                                                         day=int(m.group(3))), clock)
+        t_s = t.timestamp()
+        if t0 - 1 <= t_s <= t1:
+            err = (m.group(6) or "").rstrip('"').split(": ")[-1][:100]
+            out.append(f"+{t_s - t0:.1f}s kubelet: {m.group(5)} ({err})")
+    return out
+
+
 def first(lines: list[str], words: str) -> float | None:
     for line in lines:
         if words in line:
@@ -140,6 +163,8 @@ def test_freeze_and_etcd_partition_with_the_shipped_profile(cluster: Any, fleet:
                    if row["target"] in row["kubelet_apis_before"].get(n, [])
                    or row["target"] in row["watch_apis_before"].get(n, [])}
         row["chain"] = {n: chain(fleet.log(f"lb-{n}"), addr, t0, t1) for n in sorted(exposed)}
+        row["kubelet_errors"] = {n: kubelet_errors(fleet.log(f"kubelet-{n}"), t0, t1)[:12]
+                                 for n in sorted(exposed)}
         row["chain_first_s"] = {n: {
             "stall_check": first(lines, "stall check"),
             "check_failed": first(lines, "check failed"),
@@ -158,7 +183,10 @@ def test_freeze_and_etcd_partition_with_the_shipped_profile(cluster: Any, fleet:
                lost={n: row["watch"][n]["lost"] for n in fleet.nodes},
                request_failed={n: row["watch"][n]["requests_failed"] for n in fleet.nodes},
                kubelet_failed=row["kubelet_failed"], chain_first_s=row["chain_first_s"],
-               chain=row["chain"], load=row["load"], lb_rss_mib=row["lb_rss_mib"])
+               chain=row["chain"], kubelet_errors=row["kubelet_errors"],
+               renewals={n: [round(t - t0, 1) for t in sorted(cell.sampler.renewals.get(n, ()))
+                             if t0 - 12 <= t <= t0 + 40] for n in fleet.nodes},
+               load=row["load"], lb_rss_mib=row["lb_rss_mib"])
     problems = []
     for fault, row in rows.items():
         assert row["exposed"]["kubelets"] >= 1, f"{fault}: no kubelet on {row['target']}"
