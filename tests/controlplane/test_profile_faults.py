@@ -24,6 +24,7 @@ recorded with the figures, so a miss says which link took the time.
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import sys
 import time
@@ -49,6 +50,9 @@ LEASE_GAP_TARGET = 15.0  # issue 28: longest Lease gap on the freeze and the par
 WATCH_RESUME_TARGET = 10.0  # issue 28: a watch on the faulted server resumes within 10 s
 WATCH_GAP_BOUND = WATCH_RESUME_TARGET + compare.WRITE_PERIOD  # the gap's floor: the writes
 FAULTS = ("stop", "partition")
+# For tuning runs only: flags appended after the profile's (they win), recorded with the
+# figures, e.g. EP_PROFILE_EXTRA="--unready-drain-timeout=1s". Unset: the shipped profile.
+EXTRA = os.environ.get("EP_PROFILE_EXTRA", "").split()
 
 
 class TimedCell(compare.Cell):
@@ -148,7 +152,7 @@ def test_freeze_and_etcd_partition_with_the_shipped_profile(cluster: Any, fleet:
                         {"metadata": {"name": compare.CONFIGMAP}, "data": {"seq": "0"}})):
         status, answer = cluster.request("api1", path, method="POST", body=body)
         assert status in (201, 409), (path, status, answer)
-    flags = profile.args()
+    flags = [*profile.args(), *EXTRA]
     up_s = fleet.up(NODES, "extractedprism", ep_cmd=[sys.executable, "-m", "extractedprism"],
                     lb_extra=[*flags, "--log-level=info"], controllers_api="api1",
                     timeout=compare.READY_TIMEOUT)
