@@ -571,10 +571,6 @@ class Registry:
     def rebalancing(self) -> bool:
         return self._rebalance is not None
 
-    @property
-    def stall_timeout(self) -> float:
-        return self._stall_timeout
-
     def sample_activity(self) -> None:
         """Note which live connections moved bytes since the last sample (their pipes
         count live; this only reads the counts, so the relay does no extra work), and,
