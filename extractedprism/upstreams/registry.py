@@ -585,51 +585,57 @@ class Registry:
         # A connection's Activity starts at the first sample that sees it, not in attach:
         # a new connection's pick costs nothing more with sampling on, and its age and
         # quiet time err short by at most one sample period (never long).
-        stall = self._stall_timeout > 0
+        timeout = self._stall_timeout
         for addr, rec in self._ups.items():
-            self._sample_record_locked(rec, now)
-            if stall:
-                self._stalls_locked(addr, rec, now, fx)
+            stalled = self._sample_record_locked(rec, now, timeout)
+            if stalled:
+                self._stalls_locked(addr, rec, now, stalled, fx)
 
     @staticmethod
-    def _sample_record_locked(rec: Record, now: float) -> None:
-        # bytes_up is read before up_answered (arguments go left to right): the mark only
-        # grows and never passes bytes_up, so a read racing the relay errs toward
-        # "answered", never toward a stall that was not.
+    def _sample_record_locked(rec: Record, now: float, timeout: float
+                              ) -> list[tuple[float, Tracked, Activity]]:
+        """Sample ``rec``'s connections; returns those stalled now (``timeout``: the
+        stall timeout, 0: none) as (unanswered for, connection, activity)."""
+        # One pass, and only two attribute reads for a connection that moved nothing:
+        # this runs under the registry lock every sample period for every connection.
+        # bytes_up is read before up_answered: the mark only grows and never passes
+        # bytes_up, so a read racing the relay errs toward "answered", never toward a
+        # stall that was not.
         acts = rec.activity
+        stalled: list[tuple[float, Tracked, Activity]] = []
         for key, conn in rec.conns.items():
             act = acts.get(key)
+            up, down = conn.bytes_up, conn.bytes_down
             if act is None:
-                acts[key] = Activity(now, conn.bytes_up, conn.bytes_down, conn.up_answered)
-            else:
-                act.sample(now, conn.bytes_up, conn.bytes_down, conn.up_answered)
+                act = acts[key] = Activity(now, up, down, conn.up_answered)
+            elif up != act.up or down != act.down:
+                act.sample(now, up, down, conn.up_answered)
+            if timeout and act.asked is not None and now - act.asked >= timeout:
+                stalled.append((now - act.asked, conn, act))
+        return stalled
 
-    def _stalls_locked(self, addr: str, rec: Record, now: float, fx: Effects) -> None:
-        """Count ``addr``'s newly stalled connections; a stall not yet covered by a check
-        asks for one now (Change "stall-check": the ticker runs its next check at once),
-        at most once per --stall-timeout, and only of an upstream that takes checks and
-        is not excluded (an excluded one is checked anyway, and loses nothing)."""
-        timeout = self._stall_timeout
-        stalled: list[tuple[float, str, Activity]] = []
-        for key, conn in rec.conns.items():
-            act = rec.activity.get(key)
-            if act is None or not act.is_stalled(now, timeout):
-                continue
+    def _stalls_locked(self, addr: str, rec: Record, now: float,
+                       stalled: list[tuple[float, Tracked, Activity]], fx: Effects) -> None:
+        """Count ``addr``'s newly ``stalled`` connections; a stall not yet covered by a
+        check asks for one now (Change "stall-check": the ticker runs its next check at
+        once), at most once per --stall-timeout, and only of an upstream that takes
+        checks and is not excluded (an excluded one is checked anyway, and loses
+        nothing)."""
+        for _, _, act in stalled:
             if not act.stalled:
                 act.stalled = True
                 rec.stalls += 1
-            stalled.append((act.stalled_for(now), conn.client, act))
-        if not stalled or all(act.checked for _, _, act in stalled):
+        if all(act.checked for _, _, act in stalled):
             return
         if rec.state.lifecycle not in sm.TAKES_CHECKS or sm.excluded(rec.state):
             return
-        if rec.stall_check_at is not None and now - rec.stall_check_at < timeout:
+        if rec.stall_check_at is not None and now - rec.stall_check_at < self._stall_timeout:
             return  # the rate limit: the next sample after it asks again
         for _, _, act in stalled:
             act.checked = True
         oldest = max(stalled, key=_first)
         rec.stall_check_at = now
-        rec.stall_trigger = StallTrigger(now, len(stalled), oldest[0], oldest[1])
+        rec.stall_trigger = StallTrigger(now, len(stalled), oldest[0], oldest[1].client)
         fx.changes.append(Change("stall-check", addr))
 
     def _close_stalled_locked(self, addr: str, rec: Record, now: float, fx: Effects) -> None:
@@ -642,10 +648,7 @@ class Registry:
                 a != addr and r.state.pickable and (r.state.ready or not self._readyz)
                 for a, r in self._ups.items()):
             return
-        self._sample_record_locked(rec, now)
-        acts = rec.activity
-        conns = [c for k, c in rec.conns.items()
-                 if (a := acts.get(k)) is not None and a.is_stalled(now, self._stall_timeout)]
+        conns = [c for _, c, _ in self._sample_record_locked(rec, now, self._stall_timeout)]
         if conns:
             fx.log(logging.INFO, "closing stalled connections upstream=%s connections=%d "
                    "reason=%r", addr, len(conns), "excluded by failed checks")
