@@ -128,7 +128,6 @@ class Ticker:
             for addr in list(self._next):
                 if addr not in targets:
                     del self._next[addr]
-                    self._stall_due.discard(addr)
             for addr, ep in targets.items():
                 at = self._next.setdefault(addr, now)
                 if at <= now and addr not in self._in_flight:
@@ -140,6 +139,7 @@ class Ticker:
                 t = threading.Thread(name=f"probe-{ep}", target=self._probe_one,
                                      args=(ep, now, stall), daemon=True)
                 self._in_flight[str(ep)] = t
+            self._stall_due &= self._next.keys()  # gone from the targets: nothing to tag
             pending = [at for a, at in self._next.items() if a not in self._in_flight]
         for ep in due:
             self._in_flight[str(ep)].start()
