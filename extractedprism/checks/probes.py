@@ -233,6 +233,12 @@ class _Kept:
                 return
         tls.close()
 
+    def discard(self) -> None:
+        with self._mu:
+            tls, self._tls = self._tls, None
+        if tls is not None:
+            tls.close()
+
     def retire(self) -> None:
         with self._mu:
             self._retired = True
@@ -247,10 +253,11 @@ def _idle_and_open(tls: ssl.SSLSocket) -> bool:
     try:
         if tls.pending():
             return False
-        readable, _, _ = select.select([tls], [], [], 0)
+        poller = select.poll()  # not select(): a busy proxy's descriptors pass 1024
+        poller.register(tls.fileno(), select.POLLIN | select.POLLPRI)
+        return not poller.poll(0)
     except (OSError, ValueError):
         return False
-    return not readable
 
 
 # --- TCP ---------------------------------------------------------------------
@@ -546,8 +553,12 @@ def _readyz_kept(endpoint: Endpoint, sock: socket.socket, settings: ReadyzSettin
     probe opens a new one. Any answer not framed exactly (Content-Length or chunked, the
     body within a bound) leaves nothing kept.
     """
-    files = _files_digest(settings)
-    token = _read_token(settings.token_file) if settings.token_file else ""
+    try:
+        files = _files_digest(settings)
+        token = _read_token(settings.token_file) if settings.token_file else ""
+    except _ProbeFailed:
+        kept.discard()  # a credential gone or broken: what it opened goes too
+        raise
     key = hashlib.sha256(files + b"\0" + token.encode()).digest()
     payload = _request(settings, token, keep_alive=True)
     del token

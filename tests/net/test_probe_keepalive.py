@@ -3,6 +3,8 @@ TLS upstreams with CAs made at run time; the fake counts its TLS handshakes."""
 
 from __future__ import annotations
 
+import os
+import resource
 import threading
 import time
 from collections.abc import Iterator
@@ -213,6 +215,7 @@ def test_a_missing_credential_fails_and_drops_the_connection(up: FakeUpstream, c
     Path(ca_file).unlink()
     r = conns.probe(up.endpoint, TIMEOUT, rz)
     assert r.ready is False and r.ready_reason == f"CA file missing: {ca_file}"
+    wait_until(lambda: up.active_connections() == 0, 5)  # closed at once
     ca.cert_pem.write_to_path(ca_file)
     assert ready(conns.probe(up.endpoint, TIMEOUT, rz))
     assert up.handshakes == 2
@@ -278,3 +281,24 @@ def test_two_probes_of_one_upstream_never_share_the_connection(up: FakeUpstream,
     assert ready(conns.probe(up.endpoint, TIMEOUT, rz))
     assert up.handshakes == 2
     assert conns.opened() == {up.address: 2}
+
+
+def test_reuse_with_descriptors_past_1024(up: FakeUpstream, ca_file: str,
+                                          conns: ProbeConnections) -> None:
+    # A busy proxy's sockets have descriptors past select()'s 1024: the idle check of a
+    # kept connection must still work there (else every probe opens a new one).
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1300), hard))
+    fillers: list[int] = []
+    try:
+        while not fillers or fillers[-1] < 1100:
+            fillers.append(os.open(os.devnull, os.O_RDONLY))
+        rz = settings(ca_file)
+        assert all(ready(conns.probe(up.endpoint, TIMEOUT, rz)) for _ in range(3))
+        assert up.handshakes == 1
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
