@@ -576,8 +576,8 @@ def _readyz_kept(endpoint: Endpoint, sock: socket.socket, settings: ReadyzSettin
                         ctx = _ssl_context(settings)  # re-reads the files checked above
                     if sock.fileno() < 0:  # closed for a kept one that turned out dead
                         sock = _connect(endpoint, deadline)
+                    kept.add_opened(1)  # the server's cost: counted, handshake or not
                     tls = _handshake(ctx, sock, settings, deadline)
-                    kept.add_opened(1)
                 try:
                     response = _exchange(tls, payload, deadline, reused=reused)
                 except _Stale:
