@@ -99,6 +99,8 @@ def _probe(endpoint: Endpoint, timeout: float, readyz: ReadyzSettings | None,
     try:
         sock = _connect(endpoint, deadline)
     except _ProbeFailed as exc:
+        if kept is not None:
+            kept.discard()  # the server is gone or unreachable: so is its connection
         return ProbeResult(False, None, str(exc))
     except Exception as exc:  # never raise out of a probe; this is a bug, say so
         log.exception("probe unexpected error upstream=%s", endpoint)

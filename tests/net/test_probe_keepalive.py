@@ -302,3 +302,14 @@ def test_reuse_with_descriptors_past_1024(up: FakeUpstream, ca_file: str,
         for fd in fillers:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_failed_tcp_check_drops_the_kept_connection(ca: trustme.CA, ca_file: str,
+                                                      conns: ProbeConnections) -> None:
+    rz = settings(ca_file)
+    with FakeUpstream(ca=ca, name="gone") as up:
+        assert ready(conns.probe(up.endpoint, TIMEOUT, rz))
+        up.close_listener()  # refuses new connections; the kept one is still open
+        r = conns.probe(up.endpoint, TIMEOUT, rz)
+        assert not r.ok and r.reason == "connection refused"
+        wait_until(lambda: up.active_connections() == 0, 5)
