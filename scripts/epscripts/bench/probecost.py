@@ -124,29 +124,33 @@ def measure(cp: ControlPlane, servers: dict[str, str], rz: ReadyzSettings, probe
     per_round = max(1, probes // rounds)
     kinds = ["new", "kept", "tcp"]
     acc: dict[str, dict[str, dict[str, float]]] = {
-        api: {k: {"n": 0, "cpu": 0.0, "secs": 0.0, "failed": 0, "client_cpu": 0.0}
+        api: {k: {"n": 0, "cpu": 0.0, "secs": 0.0, "failed": 0, "client_cpu": 0.0,
+                  "etcd_cpu": 0.0}
               for k in kinds} for api in servers}
     for rnd in range(rounds):
         order = kinds[rnd % 3:] + kinds[:rnd % 3]
         for api in servers:
-            pid = cp.pid(api)
-            assert pid is not None, f"{api} is not running"
-            # The idle rate right before, on this server: its own background work.
-            c0, t0 = cpu_seconds(pid), time.monotonic()
+            pid, etcd = cp.pid(api), cp.pid("etcd")
+            assert pid is not None and etcd is not None, f"{api} or etcd is not running"
+            # The idle rates right before, of this server and etcd: background work.
+            c0, e0, t0 = cpu_seconds(pid), cpu_seconds(etcd), time.monotonic()
             time.sleep(baseline)
             idle = (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+            eidle = (cpu_seconds(etcd) - e0) / (time.monotonic() - t0)
             ep = Endpoint(cp.ip(api), 6443)
             for kind in order:
-                c0, t0 = cpu_seconds(pid), time.monotonic()
+                c0, e0, t0 = cpu_seconds(pid), cpu_seconds(etcd), time.monotonic()
                 failed, client_cpu = run_probes(kind, ep, rz, per_round)
                 secs = time.monotonic() - t0
                 used = cpu_seconds(pid) - c0 - idle * secs
+                eused = cpu_seconds(etcd) - e0 - eidle * secs
                 a = acc[api][kind]
                 a["n"] += per_round
                 a["cpu"] += used
                 a["secs"] += secs
                 a["failed"] += failed
                 a["client_cpu"] += client_cpu
+                a["etcd_cpu"] += eused
                 say(f"round {rnd + 1}/{rounds} {api} ({servers[api]}) {kind}: "
                     f"{per_round} probes in {secs:.1f}s, API server "
                     f"{used / per_round * 1000:.3f} ms each (idle {idle * 100:.1f}% "
@@ -219,10 +223,11 @@ def lease_puts(cp: ControlPlane, api: str, n: int, baseline: float) -> dict[str,
 def report(acc: dict[str, Any], servers: dict[str, str], lease: dict[str, Any] | None,
            reuse: dict[str, Any] | None) -> list[str]:
     lines = ["", "| serving certificate | probe | API-server CPU per probe | "
-             "proxy CPU per probe | failed |", "|---|---|---|---|---|"]
+             "etcd CPU per probe | proxy CPU per probe | failed |", "|---|---|---|---|---|---|"]
     for api, kinds in acc.items():
         for kind, a in kinds.items():
             lines.append(f"| {servers[api]} | {kind} | {a['cpu'] / a['n'] * 1000:.3f} ms | "
+                         f"{a['etcd_cpu'] / a['n'] * 1000:.3f} ms | "
                          f"{a['client_cpu'] / a['n'] * 1000:.2f} ms | {a['failed']:.0f} |")
     lines += ["", "API-server CPU (cores) per API server, every node probing it once per "
               "interval:", "",
