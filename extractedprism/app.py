@@ -30,7 +30,12 @@ import time
 from typing import TYPE_CHECKING
 
 from extractedprism import __version__
-from extractedprism.checks.probes import Prober, ReadyzSettings, ca_file_problem, probe
+from extractedprism.checks.probes import (
+    ProbeConnections,
+    Prober,
+    ReadyzSettings,
+    ca_file_problem,
+)
 from extractedprism.checks.ticker import Ticker
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.config.table import Config
@@ -73,7 +78,7 @@ class App:
     def __init__(self, config: Config, *, metrics: Metrics | None = None,
                  stop: threading.Event | None = None, sa_dir: str | None = None,
                  rng: random.Random | None = None,
-                 prober: Prober = probe, relay: Relay | None = None) -> None:
+                 prober: Prober | None = None, relay: Relay | None = None) -> None:
         self.config = config
         self.stop_event = stop or threading.Event()
         self.metrics = metrics or Metrics()
@@ -104,10 +109,17 @@ class App:
                 key_file=config.health_check_key_file,
                 token_file=config.health_check_token_file,
             )
+        # The probes' kept-alive readyz connections, owned by the ticker (unless a test
+        # hands in a prober of its own).
+        self.probe_connections = ProbeConnections() if prober is None else None
+        if self.probe_connections is not None and readyz is not None:
+            self.metrics.attach_probe_connections(self.probe_connections.opened)
         self.ticker = Ticker(self.registry, interval=config.health_interval,
                              timeout=config.health_timeout, recheck=config.health_recheck,
-                             readyz=readyz,
-                             stop=self.stop_event, prober=prober,
+                             readyz=readyz, stop=self.stop_event,
+                             prober=(prober if self.probe_connections is None
+                                     else self.probe_connections.probe),
+                             connections=self.probe_connections,
                              max_wait=min(config.liveness_interval, config.health_interval))
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
