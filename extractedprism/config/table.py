@@ -368,10 +368,13 @@ def _threshold_above_interval(v: Mapping[str, Any], show: Callable[[str], str]) 
     return f"{show('liveness_threshold')} must be greater than {show('liveness_interval')}"
 
 
+READYZ_NEEDS_CA = "--health-check=readyz requires --health-check-ca-file"
+
+
 def _readyz_needs_ca(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
     if v["health_check"] != "readyz" or v["health_check_ca_file"]:
         return None
-    return "--health-check=readyz requires --health-check-ca-file"
+    return READYZ_NEEDS_CA
 
 
 def _cert_and_key(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
