@@ -285,8 +285,11 @@ class InClusterApi:
         conn, self._idle = self._idle, None
         if conn is not None and conn.sock is not None:
             # Readable while idle: the server closed it (or sent garbage): not reusable.
-            readable, _, _ = select.select([conn.sock], [], [], 0)
-            if not readable:
+            # poll, not select: select() refuses a descriptor >= 1024, and a busy node
+            # has thousands open (two sockets and a pipe pair per relayed connection).
+            poller = select.poll()
+            poller.register(conn.sock, select.POLLIN | select.POLLPRI)
+            if not poller.poll(0):
                 return conn
             conn.close()
         return _Connection(self._addr[0], self._addr[1], self._tls, connect_timeout)
