@@ -30,6 +30,11 @@ while the server keeps it open, a request that fails before its answer (connect,
 send, or the wait for the status line) tried again up to three times at once, and a
 413/429/503 carrying ``Retry-After`` tried again after that delay (urllib3's default
 ``Retry(3)``); the server never redirects its own clients, so no redirect is followed.
+Unlike urllib3, the delay is capped at the watcher's own backoff maximum (30 s, not
+urllib3's 6 h: a server asking for hours would otherwise stop discovery for hours), and
+it is waited on the stop Event, so shutdown ends it at once; shutdown also shuts the
+socket of a request in flight down (:meth:`InClusterApi.interrupt`), so no connect,
+list read or Retry-After wait outlasts the shutdown bound.
 
 Why not ``kubernetes.watch.Watch.stream``: it re-opens a watch by itself after a 410
 ERROR event and after every clean end unless ``timeout_seconds`` is passed, and it
@@ -53,6 +58,7 @@ import select
 import socket
 import ssl
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -60,6 +66,7 @@ from urllib.parse import quote, urlsplit
 
 from extractedprism import __version__
 from extractedprism.config.table import Config
+from extractedprism.discovery.backoff import MAX_DELAY
 from extractedprism.errors import Error
 
 log = logging.getLogger(__name__)
@@ -79,11 +86,12 @@ QUERY_NAMES = (("allow_watch_bookmarks", "allowWatchBookmarks"),
 ERROR_BODY_BYTES = 4096
 # urllib3's default Retry(3), as the kubernetes client's transport uses it: a request
 # that fails before its answer is tried this many more times, at once; an answer of
-# these statuses with a Retry-After header is tried again after that many seconds
-# (capped as urllib3 caps it).
+# these statuses with a Retry-After header is tried again after that many seconds,
+# capped at the watcher's backoff maximum (urllib3 caps at 6 h: a discovery stopped for
+# hours by one header, on a thread shutdown must be able to stop).
 RETRIES = 3
 RETRY_AFTER_STATUSES = (413, 429, 503)
-RETRY_AFTER_MAX_S = 21600.0
+RETRY_AFTER_MAX_S = MAX_DELAY
 TLS_SERVER_NAME = "kubernetes.default.svc"
 DEFAULT_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 CONNECT_TIMEOUT = 10.0
@@ -190,11 +198,17 @@ class Api(Protocol):
 
     def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any: ...
 
+    def interrupt(self) -> None: ...
+
     def close(self) -> None: ...
 
 
 class RequestFailed(Error):
     """A request failed before its answer, also after the retries."""
+
+
+class Stopped(RequestFailed):
+    """Shutdown interrupted the request (or the wait before its retry)."""
 
 
 class _Connection(http.client.HTTPConnection):
@@ -203,9 +217,32 @@ class _Connection(http.client.HTTPConnection):
 
     default_port = 443  # the Host header names the port unless it is 443, as urllib3's
 
-    def __init__(self, host: str, port: int, context: ssl.SSLContext, timeout: float) -> None:
+    def __init__(self, host: str, port: int, context: ssl.SSLContext, timeout: float,
+                 on_socket: Any = None) -> None:
         super().__init__(host, port, timeout=timeout)
         self._tls = context
+        self._on_socket = on_socket  # told each socket before its connect (interrupt)
+        self._create_connection = self._dial
+
+    def _dial(self, address: tuple[str, int], timeout: float,
+              source_address: Any = None) -> socket.socket:
+        # socket.create_connection, but each socket is handed out before it connects,
+        # so shutdown can end a connect that hangs.
+        host, port = address
+        last: OSError = OSError(f"no address for {host}")
+        for family, kind, proto, _name, addr in socket.getaddrinfo(
+                host, port, 0, socket.SOCK_STREAM):
+            sock = socket.socket(family, kind, proto)
+            try:
+                if self._on_socket is not None:
+                    self._on_socket(sock)
+                sock.settimeout(timeout)
+                sock.connect(addr)
+                return sock
+            except OSError as exc:
+                sock.close()
+                last = exc
+        raise last
 
     def connect(self) -> None:
         super().connect()
@@ -255,8 +292,12 @@ class InClusterApi:
     rotated projected token is used at once (unreadable: the last good token is kept,
     and a stale one gets 401)."""
 
-    def __init__(self, host: str, ca_path: str, token_path: str, token: str) -> None:
+    def __init__(self, host: str, ca_path: str, token_path: str, token: str,
+                 stop: threading.Event | None = None) -> None:
         self.host = host
+        self._stop = stop if stop is not None else threading.Event()
+        self._sock_lock = threading.Lock()
+        self._sock: socket.socket | None = None  # of the request in flight (interrupt)
         url = urlsplit(host)
         self._addr = (url.hostname or "127.0.0.1", url.port or 443)
         self._token_path = token_path
@@ -292,12 +333,29 @@ class InClusterApi:
             if not poller.poll(0):
                 return conn
             conn.close()
-        return _Connection(self._addr[0], self._addr[1], self._tls, connect_timeout)
+        return _Connection(self._addr[0], self._addr[1], self._tls, connect_timeout,
+                           self._in_flight)
+
+    def _in_flight(self, sock: socket.socket | None) -> None:
+        with self._sock_lock:
+            self._sock = sock
+        if sock is not None and self._stop.is_set():
+            _shut(sock)  # interrupt() ran before this socket existed
+
+    def interrupt(self) -> None:
+        """Shutdown (any thread, after the stop Event is set): end the request in
+        flight, a connect, a read or a Retry-After wait, at once."""
+        with self._sock_lock:
+            sock = self._sock
+        if sock is not None:
+            _shut(sock)
 
     def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any:
         target = f"{SLICES_PATH}?{_query(params)}"
         retries = RETRIES
         while True:
+            if self._stop.is_set():
+                raise Stopped(f"GET {self.host}{target}: shutting down")
             headers = {"Accept": "application/json", "User-Agent": USER_AGENT,
                        "authorization": f"Bearer {self._fresh_token()}"}
             conn = self._connection(timeout[0])
@@ -305,11 +363,14 @@ class InClusterApi:
                 if conn.sock is None:
                     conn.connect()
                 assert conn.sock is not None
+                self._in_flight(conn.sock)
                 conn.sock.settimeout(timeout[1])
                 conn.request("GET", target, headers=headers)
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 conn.close()
+                if self._stop.is_set():
+                    raise Stopped(f"GET {self.host}{target}: shutting down") from exc
                 if retries <= 0:
                     raise RequestFailed(f"GET {self.host}{target} failed after "
                                         f"{RETRIES} retries: {_reason(exc)}") from exc
@@ -330,7 +391,10 @@ class InClusterApi:
                     raise RequestFailed(f"GET {self.host}{target}: {resp.status} "
                                         f"{resp.reason} after {RETRIES} retries")
                 retries -= 1
-                time.sleep(delay)
+                log.info("kube request throttled; retrying status=%d retry_after=%s "
+                         "delay=%.3fs", resp.status, resp.getheader("Retry-After"), delay)
+                if self._stop.wait(delay):
+                    raise Stopped(f"GET {self.host}{target}: shutting down")
                 continue
             raise ApiError(resp.status, resp.reason or "",
                            body.decode("utf-8", errors="replace")[:200])
@@ -339,6 +403,13 @@ class InClusterApi:
         conn, self._idle = self._idle, None
         if conn is not None:
             conn.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    # The plain-socket shutdown, not SSLSocket.shutdown (which drops the TLS object
+    # under the reading thread's feet); on a connecting socket it ends the connect.
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def _reason(exc: BaseException) -> str:
@@ -386,14 +457,21 @@ class KubeconfigApi:
         except ApiException as exc:
             raise ApiError(int(exc.status or 0), str(exc.reason or "")) from exc
 
+    def interrupt(self) -> None:
+        # urllib3 keeps its sockets to itself: a request in flight ends at its own
+        # timeouts (the watch stream is still woken by WatchStream.close).
+        pass
+
     def close(self) -> None:
         self._client.close()
 
 
-def build_client(config: Config, sa_dir: str | None = None) -> KubeClient | None:
+def build_client(config: Config, sa_dir: str | None = None,
+                 stop: threading.Event | None = None) -> KubeClient | None:
     """The discovery client, or None when neither a kubeconfig nor a service account exists.
 
-    Raises :class:`ClientConfigError` when one is configured but unusable.
+    ``stop`` (the watcher's stop Event) ends its waits. Raises
+    :class:`ClientConfigError` when one is configured but unusable.
     """
     sa_dir = sa_dir if sa_dir is not None else DEFAULT_SA_DIR
     if config.kubeconfig:
@@ -412,7 +490,7 @@ def build_client(config: Config, sa_dir: str | None = None) -> KubeClient | None
         except OSError as exc:
             raise ClientConfigError(f"service account unreadable: {exc}") from exc
         api = InClusterApi(proxy_url(config.bind_address, config.bind_port), ca_path,
-                           token_path, token)
+                           token_path, token, stop)
         log.info("discovery client source=in-cluster server=%s tls_server_name=%s",
                  api.host, TLS_SERVER_NAME)
         return KubeClient(api)
@@ -591,6 +669,10 @@ class KubeClient:
                 raise Gone(f"watch HTTP 410: {exc.reason}") from exc
             raise
         return WatchStream(resp)
+
+    def interrupt(self) -> None:
+        """End the request in flight (any thread; shutdown, after the stop Event)."""
+        self.api.interrupt()
 
     def close(self) -> None:
         try:

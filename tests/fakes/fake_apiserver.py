@@ -177,6 +177,7 @@ class _Failure:
     kind: str  # "list" | "watch" | "any"
     status: int
     remaining: int | None  # None: forever
+    retry_after: str | None = None  # a Retry-After header's value
 
 
 def _parse_selector(text: str) -> dict[str, str] | None:
@@ -298,9 +299,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     # --- response helpers used by FakeApiServer ---
 
-    def send_json(self, code: int, body: Any) -> None:
+    def send_json(self, code: int, body: Any, headers: dict[str, str] | None = None) -> None:
         data = (json.dumps(body) + "\n").encode()
         self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-cache, private")
@@ -317,8 +320,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
-    def send_status(self, code: int, message: str) -> None:
-        self.send_json(code, status_object(code, _REASONS.get(code, "Unknown"), message))
+    def send_status(self, code: int, message: str,
+                    headers: dict[str, str] | None = None) -> None:
+        self.send_json(code, status_object(code, _REASONS.get(code, "Unknown"), message),
+                       headers)
 
     def write_chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -571,11 +576,13 @@ class FakeApiServer:
 
     # --- test controls: failures and tokens ---
 
-    def fail(self, kind: str, status: int, count: int | None = 1) -> None:
-        """Answer the next ``count`` (None: every) list/watch/any call with ``status``."""
+    def fail(self, kind: str, status: int, count: int | None = 1, *,
+             retry_after: str | None = None) -> None:
+        """Answer the next ``count`` (None: every) list/watch/any call with ``status``
+        (and a ``Retry-After`` header when given)."""
         assert kind in ("list", "watch", "any")
         with self._lock:
-            self._failures.append(_Failure(kind, status, count))
+            self._failures.append(_Failure(kind, status, count, retry_after))
 
     def drip_next_list(self, interval: float) -> None:
         """Answer the next list call with the real list, one byte every ``interval`` s
@@ -636,7 +643,8 @@ class FakeApiServer:
         namespace = path[len(SLICES_PREFIX):].split("/")[0]
         failure = self._take_failure("watch" if req.is_watch else "list")
         if failure is not None:
-            h.send_status(failure, "injected failure")
+            h.send_status(failure.status, "injected failure",
+                          {"Retry-After": failure.retry_after} if failure.retry_after else None)
             return
         selector = _parse_selector(query.get("labelSelector", ""))
         if selector is None:
@@ -701,7 +709,7 @@ class FakeApiServer:
             h.wfile.flush()
             time.sleep(drip)
 
-    def _take_failure(self, kind: str) -> int | None:
+    def _take_failure(self, kind: str) -> _Failure | None:
         with self._lock:
             for f in self._failures:
                 if f.kind in (kind, "any"):
@@ -709,7 +717,7 @@ class FakeApiServer:
                         f.remaining -= 1
                         if f.remaining <= 0:
                             self._failures.remove(f)
-                    return f.status
+                    return f
         return None
 
     def _serve_watch(self, h: _Handler, namespace: str, selector: dict[str, str],
