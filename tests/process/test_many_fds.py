@@ -161,6 +161,55 @@ def metric(health: int, line_start: str) -> float | None:
     return None
 
 
+def connect(bind: int) -> socket.socket:
+    c = socket.create_connection(("127.0.0.1", bind), timeout=10)
+    c.settimeout(10)
+    return c
+
+
+def holes(pid: int) -> set[int]:
+    present = set(fds(pid))
+    return {n for n in range(1024) if n not in present}
+
+
+def fill_holes(pid: int, bind: int, conns: list[socket.socket]) -> bool:
+    """Open relayed connections until every descriptor number below 1024 is taken, so
+    the next socket any part of the proxy opens is above (at most 50 more). A number
+    a relayed connection does not take is held by a thread blocked in accept() (the
+    kernel reserves the new descriptor's number before it waits), which no other
+    socket can take either."""
+    for _ in range(50):
+        before = holes(pid)
+        if not before:
+            return True
+        c = connect(bind)
+        conns.append(c)
+        assert round_trip([c], b"fill\n") == 1  # accepted and relayed
+        if holes(pid) == before:
+            return True
+    return False
+
+
+def socket_fds(pid: int, remote_port: int) -> list[int]:
+    """The proxy's descriptors of TCP sockets connected to ``remote_port`` on loopback."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as fh:
+            for line in fh.readlines()[1:]:
+                fields = line.split()
+                if int(fields[2].rsplit(":", 1)[1], 16) == remote_port and fields[3] == "01":
+                    inodes.add(fields[9])
+    found = []
+    for n in fds(pid):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{n}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            found.append(n)
+    return found
+
+
 def round_trip(conns: list[socket.socket], tag: bytes) -> int:
     """Send ``tag`` on every connection, read it back: how many came back whole."""
     for c in conns:
@@ -231,24 +280,33 @@ def test_every_part_works_with_more_than_1100_descriptors_in_relayed_connections
             # The busy node: CLIENTS live relayed connections.
             deadline = time.monotonic() + 90
             while len(conns) < CLIENTS and time.monotonic() < deadline:
-                c = socket.create_connection(("127.0.0.1", bind), timeout=10)
-                c.settimeout(10)
-                conns.append(c)
+                conns.append(connect(bind))
             assert len(conns) == CLIENTS
-            assert round_trip(conns, b"before\n") == CLIENTS
-            open_fds = fds(first.popen.pid)
+            pid = first.popen.pid
+            fill_holes(pid, bind, conns)
+            assert round_trip(conns, b"before\n") == len(conns)
+            open_fds = fds(pid)
             assert len(open_fds) > WANT_FDS and max(open_fds) >= 1024, len(open_fds)
 
-            # Discovery: an update is seen now, with every new socket above 1023.
+            # Discovery: its connection was opened at start, low. Dropped, its number
+            # goes to a relayed connection, so the watch after it, the re-list after a
+            # 410 and the watch on that list's kept-alive connection are all >= 1024.
             errors_before = metric(health, DISCOVERY_ERRORS)
             watches = len(api.watch_requests())
+            api.drop_streams()
+            wait_until(lambda: fill_holes(pid, bind, conns) and len(api.watch_requests())
+                       > watches and api.open_streams(), 20,
+                       message="a watch re-opened while busy")
+            assert min(socket_fds(pid, api.port)) >= 1024, socket_fds(pid, api.port)
+            lists, watches = len(api.list_requests()), len(api.watch_requests())
+            api.expire()
+            wait_until(lambda: len(api.list_requests()) > lists
+                       and len(api.watch_requests()) > watches and api.open_streams(), 20,
+                       message="re-listed and watching again while busy")
+            assert min(socket_fds(pid, api.port)) >= 1024, socket_fds(pid, api.port)
             api.set_slice(make_slice("kubernetes", ["127.0.0.1", DEAD], port=hybrid.port))
             dead = f"{DEAD}:{hybrid.port}"
             wait_until(lambda: dead in upstreams(health), 20, message="discovered while busy")
-            # A watch re-opened while busy (a dropped stream: re-watched after a backoff).
-            api.drop_streams()
-            wait_until(lambda: len(api.watch_requests()) > watches and api.open_streams(), 20,
-                       message="a watch re-opened while busy")
             assert metric(health, DISCOVERY_ERRORS) == errors_before
             # The state file: rewritten with the discovered endpoint.
             wait_until(lambda: state.exists() and dead in state.read_text(), 20,
@@ -280,7 +338,7 @@ def test_every_part_works_with_more_than_1100_descriptors_in_relayed_connections
                 c.sendall(b"new\n")
                 assert c.recv(4) == b"new\n"
             # The busy one's relayed connections live on after the handover.
-            assert round_trip(conns, b"after\n") == CLIENTS
+            assert round_trip(conns, b"after\n") == len(conns)
             assert first.popen.poll() is None and second.popen.poll() is None
             problems = [line for line in first.log.splitlines()
                         if "filedescriptor out of range" in line or "Traceback" in line]
