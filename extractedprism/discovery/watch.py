@@ -118,7 +118,7 @@ class KubernetesProvider:
     def start(self) -> None:
         """Build the client; without one, log one warning and run static-only.
 
-        Raises :class:`~extractedprism.discovery.kube.ClientConfigError` when a kubeconfig or
+        Raises :class:`~extractedprism.discovery.credentials.ClientConfigError` when a kubeconfig or
         service
         account exists but cannot be used (the caller isolates that failure).
         """
