@@ -340,12 +340,13 @@ class FakeApiServer:
         self._bind_port = port  # 0: any free port
         self.too_old = too_old
         self.tokens = {token}
+        self._names = tuple(names)
         self.ca = trustme.CA()
-        cert = self.ca.issue_cert(*names)
-        self.ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        cert.configure_cert(self.ssl_context)
+        # With a client CA, a client certificate it signed is required and
+        # authenticates the request (as the API server's --client-ca-file).
+        self.client_ca: trustme.CA | None = None
         self.sni_names: list[str | None] = []  # the TLS server name of every handshake
-        self.ssl_context.sni_callback = self._record_sni
+        self.ssl_context = self._context()
         self._lock = threading.Lock()
         self._rv = 100
         self._min_rv = 0  # watches from a resourceVersion below this get 410
@@ -409,6 +410,41 @@ class FakeApiServer:
 
     def ca_pem(self) -> bytes:
         return self.ca.cert_pem.bytes()
+
+    def _context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.ca.issue_cert(*self._names).configure_cert(ctx)
+        if self.client_ca is not None:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            self.client_ca.configure_trust(ctx)
+        ctx.sni_callback = self._record_sni
+        return ctx
+
+    def _cut_connections(self) -> None:
+        """Every live connection ends (watches as dropped): clients must connect again,
+        under whatever the server now presents and requires."""
+        with self._lock:
+            for st in self._streams:
+                st.q.put(_DROP)
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(c, socket.SHUT_RDWR)
+
+    def rotate_ca(self, ca: trustme.CA | None = None) -> trustme.CA:
+        """A new serving CA (``ca``, or one made now) and certificate: the old CA no
+        longer verifies it; every live connection is cut. Returns the new CA."""
+        self.ca = ca if ca is not None else trustme.CA()
+        self.ssl_context = self._context()
+        self._cut_connections()
+        return self.ca
+
+    def require_client_ca(self, ca: trustme.CA | None) -> None:
+        """Require client certificates signed by ``ca`` (None: none asked for) from the
+        next handshake on; every live connection is cut."""
+        self.client_ca = ca
+        self.ssl_context = self._context()
+        self._cut_connections()
 
     def write_service_account(self, directory: Path | str) -> Path:
         """Write ``token`` and ``ca.crt`` as the kubelet mounts them; returns the dir."""
@@ -622,8 +658,12 @@ class FakeApiServer:
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         auth = h.headers.get("Authorization", "")
         scheme, _, token = auth.partition(" ")
+        # A verified client certificate authenticates as the API server's
+        # --client-ca-file does (the handshake already refused any other).
+        by_cert = self.client_ca is not None and bool(h.request.getpeercert())
         with self._lock:
-            authorized = scheme.lower() == "bearer" and token.strip() in self.tokens
+            authorized = by_cert or (scheme.lower() == "bearer"
+                                     and token.strip() in self.tokens)
             req = RecordedRequest(time.monotonic(), h.command, parts.path, query, authorized)
             self.requests.append(req)
         path = parts.path
