@@ -316,8 +316,10 @@ def _load_ca_pem(tls: ssl.SSLContext, pem: bytes, what: str,
     except UnicodeDecodeError:
         raise error(f"CA unusable: {what}: not PEM text") from None
     except ssl.SSLError as exc:
-        why = ("no PEM certificate found" if exc.reason in (
-            "NO_CERTIFICATE_OR_CRL_FOUND", "NO_START_LINE") else _ssl_reason(exc))
+        # cadata says "no start line: cadata does not contain a certificate" (no reason)
+        empty = exc.reason in ("NO_CERTIFICATE_OR_CRL_FOUND", "NO_START_LINE") \
+            or "does not contain a certificate" in str(exc)
+        why = "no PEM certificate found" if empty else _ssl_reason(exc)
         raise error(f"CA unusable: {what}: {why}") from None
 
 
