@@ -184,6 +184,8 @@ class App:
 
     def start(self) -> None:
         cfg = self.config
+        if cfg.enable_discovery and cfg.kubeconfig:
+            self._check_kubeconfig()  # before anything is bound or taken over
         received = handover.receive(cfg.handover_socket) if cfg.handover_socket else None
         try:
             taken = self._open_listeners(received)
@@ -319,9 +321,21 @@ class App:
                  ",".join(str(e) for e in cfg.endpoints), cfg.upstream_selection,
                  cfg.health_check, cfg.enable_discovery, self.relay)
 
+    def _check_kubeconfig(self) -> None:
+        """A missing or malformed ``--kubeconfig`` stops the start (KubeconfigError:
+        one line naming the file and what is wrong, exit 2); a file it names that is
+        not there yet only warns (discovery fails, naming it, until it is)."""
+        from extractedprism.discovery.credentials import check_kubeconfig
+
+        problem = check_kubeconfig(self.config.kubeconfig)
+        if problem:
+            log.warning("kubeconfig refers to a file that is not usable yet path=%s "
+                        "error=%s; discovery fails until it is", self.config.kubeconfig,
+                        problem)
+
     def _start_discovery(self) -> None:
-        # Imported here: the kubernetes client takes ~0.5 s to import, which static-only
-        # runs (and every in-process test) need not pay.
+        # Imported here: static-only runs need none of discovery's modules (ssl contexts,
+        # yaml with a kubeconfig).
         from extractedprism.discovery.watch import KubernetesProvider
 
         provider = "kubernetes"
