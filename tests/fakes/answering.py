@@ -24,11 +24,15 @@ class Fake:
 
     ``answer_after``: seconds after a connection's first bytes before it echoes them (and
     everything after); None: it never answers. ``read=False``: it never even reads (a
-    frozen process: the kernel accepts and buffers)."""
+    frozen process: the kernel accepts and buffers). ``reset_after``: seconds after a
+    connection's first bytes before it resets the connection without a word (a crashing
+    server; ``answer_after`` is then ignored)."""
 
-    def __init__(self, answer_after: float | None = 0.0, read: bool = True) -> None:
+    def __init__(self, answer_after: float | None = 0.0, read: bool = True,
+                 reset_after: float | None = None) -> None:
         self.answer_after = answer_after
         self.read = read
+        self.reset_after = reset_after
         self.lock = threading.Lock()
         self.got: list[bytearray] = []  # per connection, in accept order
         self.closed = 0  # connections the proxy closed
@@ -60,6 +64,12 @@ class Fake:
             while chunk := conn.recv(65536):
                 with self.lock:
                     buf += chunk
+                if self.reset_after is not None:
+                    time.sleep(self.reset_after)
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                    struct.pack("ii", 1, 0))
+                    conn.close()
+                    break
                 if self.answer_after is None:
                     continue
                 if not answered:
