@@ -71,10 +71,17 @@ log = logging.getLogger(__name__)
 # anything past it stays in the socket for the relay.
 FIRST_BYTES_MAX = 16 * 1024
 
+_INT_MAX = 2**31 - 1
 _TLS_HANDSHAKE = 22
 _CLIENT_HELLO = 1
 _POLLIN = select.POLLIN | select.POLLERR | select.POLLHUP
 _POLLOUT = select.POLLOUT | select.POLLERR | select.POLLHUP
+
+
+def _ms(seconds: float) -> int:
+    """A timeout in milliseconds for poll() and the native relay: at least 1, at most a C
+    int (--answer-hedge-delay is bounded far below that; this keeps any caller safe)."""
+    return min(max(1, int(seconds * 1000)), _INT_MAX)
 
 
 def is_client_hello(first: bytes | None) -> bool:
@@ -152,7 +159,7 @@ def wait_answer(client: socket.socket, leg: Leg, timeout: float,
     ``leg``'s upstream and, when they are a ClientHello, wait up to ``timeout`` for its
     answer while watching the client. SILENT, ANSWERED or LEFT; ``leg.first``/``sent``
     say what the upstream has (all of ``leg.first`` unless LEFT before reading)."""
-    timeout_ms = max(1, int(timeout * 1000))
+    timeout_ms = _ms(timeout)
     cfd, ufd = client.fileno(), leg.sock.fileno()
     if native_first is not None:
         # The same steps in C with the GIL released once, instead of a release per step.
@@ -443,7 +450,7 @@ class FirstAnswer:
         self._registry = registry
         self.dialer = dialer
         self.hedge_delay = hedge_delay  # 0: off (no wait, no hedge)
-        self.delay_ms = max(1, int(hedge_delay * 1000))
+        self.delay_ms = _ms(hedge_delay)
         self.health_timeout = health_timeout
         self._native_first = native_first
         self.stopping = stopping
