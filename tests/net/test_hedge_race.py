@@ -232,3 +232,51 @@ def test_won_is_counted_only_for_an_upstream_that_answered(make_app, fakes, rela
                    + _hedges(app, b.address, "silent") >= 1, 5, message="one charged silent")
         time.sleep(2 * timeout + SLACK)  # past the other's deadline too (deliberate)
         assert _hedges(app, a.address, "won") == _hedges(app, b.address, "won") == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_leg_that_took_part_of_the_client_hello_never_carries_the_client(monkeypatch):
+    """Item 11 (suspected): the hedge's upstream takes only part of the ClientHello (its
+    window is full, the proxy's send buffer small, as under TCP memory pressure) and
+    speaks: it cannot carry the client (its server would wait for the rest for good).
+    The race is driven directly, with real sockets, so the first attempt is fixed."""
+    from extractedprism.datapath import sockopts
+    from extractedprism.datapath.dialer import Dialer
+    from extractedprism.datapath.first_answer import FirstAnswer, Leg
+    from extractedprism.upstreams.registry import Registry
+
+    a = Fake(answer_after=None)  # reads, never answers
+    b = Fake(read=False, greet=b"!", rcvbuf=1024)  # speaks at once, reads nothing
+    small = [*sockopts.CONNECTION_SOCKOPTS, (socket.SOL_SOCKET, socket.SO_SNDBUF, 1024)]
+    monkeypatch.setattr(sockopts.apply_sockopts, "__defaults__", (small,))
+    reg = Registry()
+    reg.set_endpoints([a.endpoint, b.endpoint])
+    stopping = threading.Event()
+    dialer = Dialer(reg, dial_timeout=2.0, hedge_delay=0.0, stopping=stopping)
+    fa = FirstAnswer(reg, dialer, hedge_delay=HEDGE, health_timeout=2.0, native_first=None,
+                     stopping=stopping)
+    client, client_peer = socket.socketpair()
+    first = hello(b"x" * 16000)
+    res = reg.reserve(exclude={b.address})
+    assert res is not None and res.address == a.address
+    leg = Leg(socket.create_connection((a.endpoint.host, a.endpoint.port)), res, first,
+              len(first))
+    result = None
+    try:
+        leg.sock.sendall(first)
+        leg.since = time.monotonic() - HEDGE
+        result = fa.race(client, leg, {a.address})
+        assert b.has(b"") == 1, "the hedge never reached the second upstream"
+        assert result is not None
+        assert result.address == a.address, "a leg with part of the ClientHello carries"
+        assert result.sent == len(first)
+    finally:
+        if result is not None:
+            result.close()
+        stopping.set()
+        fa.shutdown(time.monotonic() + 5)
+        dialer.shutdown(time.monotonic() + 5)
+        for s in (client, client_peer):
+            s.close()
+        a.close()
+        b.close()
