@@ -28,15 +28,17 @@ class Fake:
     connection's first bytes before it resets the connection without a word (a crashing
     server; ``answer_after`` is then ignored). ``greet``: bytes it sends as soon as it
     accepts, before reading anything. ``rcvbuf``: its sockets' SO_RCVBUF (a small one
-    with ``read=False`` stops a sender after a few KiB)."""
+    with ``read=False`` stops a sender after a few KiB). ``mark``: bytes put before its
+    answer, so a client can tell which upstream answered it."""
 
     def __init__(self, answer_after: float | None = 0.0, read: bool = True,
                  reset_after: float | None = None, greet: bytes = b"",
-                 rcvbuf: int | None = None) -> None:
+                 rcvbuf: int | None = None, mark: bytes = b"") -> None:
         self.answer_after = answer_after
         self.read = read
         self.reset_after = reset_after
         self.greet = greet
+        self.mark = mark
         self.lock = threading.Lock()
         self.got: list[bytearray] = []  # per connection, in accept order
         self.closed = 0  # connections the proxy closed
@@ -85,7 +87,7 @@ class Fake:
                 if not answered:
                     time.sleep(self.answer_after)
                     answered = True
-                    conn.sendall(bytes(buf))
+                    conn.sendall(self.mark + bytes(buf))
                 else:
                     conn.sendall(chunk)
             conn.shutdown(socket.SHUT_WR)  # pass the client's half-close on, as echo does
