@@ -21,10 +21,12 @@ as descriptors free up.
 
 # modules
 The listening socket and its accept wake-up live in listener.py, the pipe-thread pool
-in pool.py, the dial in dialer.py, the silent-upstream check on the client's first bytes
-in firstbytes.py, the byte copy in pipe.py, and the relay strategy (``--relay``, resolved
-once) in relay.py. The acceptor thread runs ``_accept_loop``; each pipe thread runs
-``_serve`` for the connection it is handed (PipePool calls it).
+in pool.py, the dial in dialer.py, the first answer (the silent-upstream check on the
+client's ClientHello, and its hedge) in first_answer.py, the attempts kept off a client's
+path in offpath.py, the byte copy in pipe.py, and the relay strategy (``--relay``,
+resolved once) in relay.py. The acceptor thread runs ``_accept_loop``; each pipe thread
+runs ``_serve`` for the connection it is handed (PipePool calls it); docs/architecture.md
+("A connection's trip") says why the native relay attaches before the first answer.
 """
 
 from __future__ import annotations

@@ -280,3 +280,26 @@ def test_a_leg_that_took_part_of_the_client_hello_never_carries_the_client(monke
             s.close()
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("relay", RELAYS)
+def test_after_a_hedge_the_pipe_thread_is_named_after_the_carrier(make_app, fakes, relay):
+    """Item 12: thread names are how SIGUSR1 dumps and py-spy read; after a hedge the pipe
+    thread names the upstream that carries the client, not the silent first one."""
+    good, frozen = fakes(), fakes(answer_after=None)
+    app = make_app([good.endpoint, frozen.endpoint], health_interval=PROBES_OFF,
+                   health_timeout=15.0, answer_hedge_delay=HEDGE, relay=relay)
+    for i in range(40):
+        msg = hello(b"name%d;" % i)
+        with socket.create_connection(app.proxy_address, timeout=10) as c:
+            c.sendall(msg)
+            assert _echoed(c, msg) == msg
+            if not frozen.has(msg):
+                continue
+            host, port = c.getsockname()[:2]
+            prefix = f"pipe-{host}:{port}->"
+            names = [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
+            assert names == [prefix + good.address], names
+            return
+    pytest.fail("no client was hedged away from the silent upstream")
