@@ -420,7 +420,7 @@ class Proxy:
         end. (SILENT or LEFT, first): nothing relayed, both sockets open, the upstream has
         the client's first bytes ``first``."""
         t0 = time.monotonic() if debug else 0.0
-        found, first = ANSWERED, None
+        found, first = -1, None  # -1: the call raised, nothing carried
         try:
             found, first = pipe.run_judged(self._answer.delay_ms, leg.first, leg.sent)
             if found == SILENT and not self._answer.can_hedge(tried):
