@@ -67,6 +67,13 @@ def gil_cpu_valid(value: str) -> bool:
     return allowed is None or int(value) in allowed
 
 
+# 0 (off) or at most a minute: a client-go client gives up on its TLS handshake after 10 s,
+# so a longer delay would never fire; the bound also keeps it within the native relay's
+# millisecond timeout (a C int: about 596 hours).
+ANSWER_HEDGE_DELAY_MAX = 60.0
+ANSWER_HEDGE_DELAY = Check(lambda v: 0 <= v <= ANSWER_HEDGE_DELAY_MAX,
+                           "must be between 0 (off) and 60s")
+
 # 0 (off) or long enough that one close per interval stays gentle.
 REBALANCE_INTERVAL = Check(lambda v: v == 0 or v >= 0.1, "must be 0 (off) or at least 100ms")
 # 0 (off) or long enough that the sampling (a quarter of it) stays cheap and an ordinary
@@ -286,8 +293,8 @@ FLAGS: tuple[Flag, ...] = (
         "within this delay sends the same ClientHello to one other pickable upstream too, "
         "and the first to answer carries the connection (the other is closed once it "
         "answers, or counts as a failed dial if it never does within --health-timeout); "
-        "only a complete ClientHello is ever sent twice; 0 turns this off",
-        checks=(NOT_NEGATIVE,),
+        "only a complete ClientHello is ever sent twice; 0 turns this off; at most 60s",
+        checks=(ANSWER_HEDGE_DELAY,),
     ),
     Flag(
         "handover-socket",

@@ -505,3 +505,32 @@ def test_attaching_a_reservation_counts_its_dial_as_a_success():
     assert reg.attach(A, Conn("d"))  # a plain address records no dial
     reg.record_dial(A, False, "refused")
     assert not reg.snapshot().get(A).healthy
+
+
+def test_a_judging_connection_counts_once_it_carries_and_never_when_silent():
+    """Issue 29, item 3: attach_judging tracks a connection live but counts it only on the
+    upstream that carries it: once its relay moved a byte (any snapshot sees it) or it
+    ended answered; a silent or left verdict detaches it uncounted."""
+    reg = Registry()
+    reg.set_endpoints(EPS)
+
+    def judging(addr: str) -> Conn:
+        res = reg.reserve(exclude=[a for a in (A, B, C) if a != addr])
+        assert res is not None and res.address == addr
+        c = Conn(addr)
+        assert reg.attach_judging(res, c)
+        return c
+
+    silent, carrying, quiet = judging(A), judging(B), judging(C)
+    snap = reg.snapshot()
+    assert snap.connections_active == 3 and snap.connections_total == 0
+    carrying.bytes_up = 517  # the relay started: B carries it
+    snap = reg.snapshot()
+    assert snap.connections_total == 1 and snap.get(B).total_connections == 1
+    reg.detach(A, silent, carried=False)  # silent: the hedge carries it elsewhere
+    reg.detach(B, carrying)  # counted already: not again
+    reg.detach(C, quiet)  # answered with no byte either way (an EOF): counted at its end
+    snap = reg.snapshot()
+    assert snap.connections_active == 0
+    assert [snap.get(a).total_connections for a in (A, B, C)] == [0, 1, 1]
+    assert snap.connections_total == 2
