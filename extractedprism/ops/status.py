@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from extractedprism.config.flags import parse_duration
+from extractedprism.config.flags import format_duration, parse_duration
 from extractedprism.config.table import FLAG_BY_NAME
 from extractedprism.errors import Error
 
@@ -376,8 +376,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         while True:
             status, text = once(address, args.json, timeout)
             stamp = time.strftime("%H:%M:%S")
-            print(f"{clear}{stamp}  {_hostport(address)}  (every {args.watch}; Ctrl-C "
-                  f"stops)\n{text}\n", flush=True)
+            # With its unit: `--watch 1` is a second, and says so.
+            print(f"{clear}{stamp}  {_hostport(address)}  (every {format_duration(interval)}; "
+                  f"Ctrl-C stops)\n{text}\n", flush=True)
             time.sleep(interval)
     except KeyboardInterrupt:
         return status
