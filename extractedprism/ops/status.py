@@ -261,15 +261,28 @@ def row(u: Mapping[str, Any], now: datetime.datetime) -> list[str]:
             age(u.get("since"), now), _admin(u), _last_error(u)]
 
 
+def _healthy(u: Mapping[str, Any]) -> bool:
+    """Its health check passes (whatever its readiness or drain); from the state word
+    when the document has no ``healthy`` field."""
+    if isinstance(u.get("healthy"), bool):
+        return bool(u["healthy"])
+    return state_word(u) in ("healthy", "closing-unready")
+
+
 def summary(doc: Mapping[str, Any], ready: bool,
             now: datetime.datetime | None = None) -> str:
     ups = [u for u in doc.get("upstreams") or [] if isinstance(u, dict)]
-    healthy = sum(1 for u in ups if state_word(u) == "healthy"
-                  or (not u.get("state") and u.get("healthy") and not u.get("draining")))
+    # Health, readiness and draining are counted apart: a drained upstream is still
+    # healthy and ready (it only takes no new connections), and counting it out of
+    # "healthy" but into "ready" read as "1/3 healthy, 2/3 ready".
+    healthy = sum(1 for u in ups if _healthy(u))
     parts = [f"{'ready' if ready else 'NOT READY'}: {healthy}/{len(ups)} upstreams healthy"]
     readies = [u.get("ready") for u in ups if u.get("ready") is not None]
     if readies:
         parts.append(f"{sum(1 for r in readies if r)}/{len(ups)} ready")
+    drained = sum(1 for u in ups if state_word(u) in ("draining", "admin-drain"))
+    if drained:
+        parts.append(f"{drained} drained (no new connections)")
     active = doc.get("connections_active")
     if active is not None:
         limit = doc.get("max_connections")

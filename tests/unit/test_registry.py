@@ -505,3 +505,22 @@ def test_attaching_a_reservation_counts_its_dial_as_a_success():
     assert reg.attach(A, Conn("d"))  # a plain address records no dial
     reg.record_dial(A, False, "refused")
     assert not reg.snapshot().get(A).healthy
+
+
+def test_a_dead_upstreams_close_deadline_does_not_keep_moving_forward():
+    # Issue 30: once its connections were closed, the deadline was re-armed every
+    # --unready-drain-timeout and /upstreams showed a close always a few seconds away.
+    reg, clock, *_ = make(readyz=True, drain=5)
+    c = _unready_with_a_connection(reg, clock)
+    reg.record_probe(A, DOWN)
+    reg.record_probe(A, DOWN)
+    deadline = reg.snapshot().get(A).close_deadline
+    assert deadline == pytest.approx(clock.now + 5)
+    clock.now += 5.1
+    reg.tick()
+    assert c.closed
+    reg.detach(A, c)  # what the pipe does once it notices the close
+    for _ in range(4):
+        assert reg.snapshot().get(A).close_deadline is None  # nothing left to close
+        clock.now += 5.1
+        reg.tick()
