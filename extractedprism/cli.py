@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parsed = parse(args, tuple(SUBCOMMANDS))
     except UsageError as exc:
-        print(f"extractedprism: {exc}; {HELP_POINTER}", file=sys.stderr)
+        print(f"extractedprism: {exc}", file=sys.stderr)  # it says where help is
         return exc.exit_status
     except ConfigError as exc:
         print("extractedprism: invalid configuration:", file=sys.stderr)

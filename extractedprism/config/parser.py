@@ -75,9 +75,20 @@ class UsageError(Error):
 
 
 class _Parser(configargparse.ArgumentParser):
+    """Errors are one line with a pointer to --help (UsageError, exit 2), not argparse's
+    usage dump; unknown flags are named with the closest real one."""
+
     def error(self, message: str) -> None:  # type: ignore[override]
-        # Not argparse's usage dump and exit: one line, said by the caller.
-        raise UsageError(message)
+        raise UsageError(f"{message}; see '{self.prog} --help'")
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None, **kwargs: object
+                   ) -> argparse.Namespace:
+        ns, extras = self.parse_known_args(args, namespace, **kwargs)  # type: ignore[arg-type]
+        if extras:
+            options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            self.error(unknown_arguments(extras, options))
+        return ns
 
 
 def _group_order(flag: Flag) -> tuple[int, int]:
@@ -182,9 +193,8 @@ def join_dash_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _closest_options(given: str) -> list[str]:
+def _closest_options(given: str, options: Sequence[str]) -> list[str]:
     """The flags a mistyped or abbreviated option most likely meant (at most four)."""
-    options = [f.option for f in FLAGS] + ["--help", "--version"]
     bare = "--" + given.lstrip("-")
     started = [o for o in options if o.startswith(bare)]
     if started:
@@ -193,15 +203,16 @@ def _closest_options(given: str) -> list[str]:
     return [best] if dist <= MAX_SUGGEST_EDITS else []
 
 
-def unknown_arguments(extras: Sequence[str]) -> str:
-    """One line about what argparse left over: unknown flags, with their closest match."""
+def unknown_arguments(extras: Sequence[str], options: Sequence[str]) -> str:
+    """One line about what argparse left over: unknown flags, with their closest match
+    among ``options``."""
     valued = {f.option for f in FLAGS if f.kind != "bool"}
     parts: list[str] = []
     after_flag = False
     for arg in extras:
         if arg.startswith("-") and arg != "-":
             name = arg.split("=", 1)[0]
-            close = _closest_options(name)
+            close = _closest_options(name, options)
             hint = ""
             if len(close) == 1:
                 hint = f" (did you mean {close[0]}?)"
@@ -281,9 +292,7 @@ def parse(argv: Sequence[str], subcommands: Sequence[str] = (),
     """
     env = os.environ if environ is None else environ
     parser = build_parser(subcommands)
-    ns, extras = parser.parse_known_args(join_dash_values(list(argv)), env_vars=env)
-    if extras:
-        raise UsageError(unknown_arguments(extras))
+    ns = parser.parse_args(join_dash_values(list(argv)), env_vars=env)
     values = vars(ns)
     names = _env_names(parser)
     problems: list[str] = []

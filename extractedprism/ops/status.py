@@ -325,9 +325,17 @@ def render(doc: Mapping[str, Any], ready: bool, now: datetime.datetime | None = 
 # --- the command -------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # Exit 2 (unreachable's status, as for every bad argument), in one line.
+        print(f"{self.prog}: {message}; see '{self.prog} --help'", file=sys.stderr)
+        raise SystemExit(UNREACHABLE)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="extractedprism status",
+        allow_abbrev=False,
         description="Show where this node's API server traffic goes: one line per "
         "upstream, then a summary. Reads the local health server. Exit status: 0 ready, "
         "1 answering but not ready, 2 unreachable.")

@@ -59,6 +59,12 @@ MISTAKES = (
     Mistake("unknown-subcommand", ("serve", "--endpoints", "10.0.0.1:6443"),
             ("extractedprism: unknown subcommand 'serve'; the subcommands are status, admin, "
              f"static-pod, and the proxy itself takes only flags: {HELP}",)),
+    Mistake("static-pod-typo", ("static-pod", "--imge", "x", "--endpoints", "10.0.0.1:6443"),
+            ("extractedprism static-pod: unknown flag --imge (did you mean --image?); see "
+             "'extractedprism static-pod --help'",)),
+    Mistake("status-unknown-flag", ("status", "--frob"),
+            ("extractedprism status: unrecognized arguments: --frob; see "
+             "'extractedprism status --help'",)),
     # --- values, named by the flag or by the variable they came from
     Mistake("missing-endpoints", ("--enable-discovery=false",), invalid(REQUIRED)),
     Mistake("misspelled-endpoints-variable", ("--enable-discovery=false",),
