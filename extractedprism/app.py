@@ -366,9 +366,7 @@ class App:
         if not cfg.state_file:
             return
         if not cfg.enable_discovery:
-            log.warning("state file not used: discovery is off flag=--state-file path=%s",
-                        cfg.state_file)
-            return
+            return  # the command line warned: config.table.UNUSED
         cached = statefile.read(cfg.state_file)
         if cached:
             self._cache_in_use = True

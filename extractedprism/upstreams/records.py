@@ -170,10 +170,15 @@ def _draining_reason(rec: Record) -> str | None:
 
 
 def _close_deadline(rec: Record) -> float | None:
-    """When its remaining connections will all have been closed, if that is scheduled."""
+    """When its remaining connections will all have been closed, if that is scheduled.
+
+    A readiness close with no connection left is no close: the deadline is re-armed each
+    period (for a connection that might still arrive), and shown it would move forward
+    for ever on a dead upstream.
+    """
     times = [t for t in (rec.drain_deadline if rec.state.lifecycle is sm.Lifecycle.DRAINING
                          else None,
-                         rec.unready_deadline,
+                         rec.unready_deadline if rec.conns else None,
                          rec.close_plan[-1][0] if rec.close_plan else None) if t is not None]
     return min(times) if times else None
 

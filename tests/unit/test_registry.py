@@ -534,3 +534,22 @@ def test_a_judging_connection_counts_once_it_carries_and_never_when_silent():
     assert snap.connections_active == 0
     assert [snap.get(a).total_connections for a in (A, B, C)] == [0, 1, 1]
     assert snap.connections_total == 2
+
+
+def test_a_dead_upstreams_close_deadline_does_not_keep_moving_forward():
+    # Issue 30: once its connections were closed, the deadline was re-armed every
+    # --unready-drain-timeout and /upstreams showed a close always a few seconds away.
+    reg, clock, *_ = make(readyz=True, drain=5)
+    c = _unready_with_a_connection(reg, clock)
+    reg.record_probe(A, DOWN)
+    reg.record_probe(A, DOWN)
+    deadline = reg.snapshot().get(A).close_deadline
+    assert deadline == pytest.approx(clock.now + 5)
+    clock.now += 5.1
+    reg.tick()
+    assert c.closed
+    reg.detach(A, c)  # what the pipe does once it notices the close
+    for _ in range(4):
+        assert reg.snapshot().get(A).close_deadline is None  # nothing left to close
+        clock.now += 5.1
+        reg.tick()
