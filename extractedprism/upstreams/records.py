@@ -126,7 +126,8 @@ class Record:
             close_deadline=_close_deadline(self), admin=self.admin_mark,
             dials=self.dials.frozen(), weight=weight, fair_share=fair_share,
             rebalance_closes=self.rebalance_closes,
-            answer_hedges=tuple(sorted(self.answer_hedges.items())))
+            answer_hedges=tuple(sorted(self.answer_hedges.items())),
+            dials_in_flight=self.dialing)
 
 
 def spread(ids: list[int], now: float, over: float) -> list[tuple[float, int]]:

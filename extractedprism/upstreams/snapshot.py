@@ -100,6 +100,9 @@ class UpstreamView:
     # Connections whose first answer was hedged, by this upstream's outcome: "won",
     # "lost" (answered after the other), "silent" (never within --health-timeout).
     answer_hedges: tuple[tuple[str, int], ...] = ()
+    # Picked and dialing: reservations held (least-conn counts them). Each ends at attach
+    # or release, so a count that never returns to 0 is a leaked reservation.
+    dials_in_flight: int = 0
 
     @property
     def admin_drained(self) -> bool:
