@@ -139,7 +139,8 @@ class Record:
             rebalance_closes=self.rebalance_closes,
             stalls=stalls, stalled_connections=stalled_connections,
             stall_checks=tuple(sorted(self.stall_checks.items())),
-            answer_hedges=tuple(sorted(self.answer_hedges.items())))
+            answer_hedges=tuple(sorted(self.answer_hedges.items())),
+            dials_in_flight=self.dialing)
 
 
 def spread(ids: list[int], now: float, over: float) -> list[tuple[float, int]]:

@@ -332,6 +332,25 @@ def test_a_reservation_cannot_leak_on_an_exception():
     assert {picked(reg, exclude=[C]) for _ in range(60)} == {EPS[0], EPS[1]}
 
 
+def test_dials_in_flight_shows_held_reservations():
+    """/upstreams' dials_in_flight: a reservation counts until attach or release, so a
+    leaked one shows as a count that stays above 0 (scripts/chaos checks it)."""
+    reg, *_ = make(selection="least-conn")
+
+    def dials() -> dict[str, int]:
+        return {u.address: u.dials_in_flight for u in reg.snapshot().upstreams}
+
+    assert dials() == {A: 0, B: 0, C: 0}
+    held = reg.reserve(exclude=[B, C])
+    other = reg.reserve(exclude=[B, C])
+    assert held is not None and other is not None
+    assert dials() == {A: 2, B: 0, C: 0}
+    assert reg.attach(held, Conn("c"))
+    assert dials() == {A: 1, B: 0, C: 0}
+    other.release()
+    assert dials() == {A: 0, B: 0, C: 0}
+
+
 def test_panic_dials_are_counted_for_least_conn():
     reg, *_ = make(selection="least-conn")
     res = reg.reserve_endpoint(EPS[0])
