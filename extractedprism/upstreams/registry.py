@@ -207,11 +207,14 @@ class Registry:
 
     def _remove_locked(self, addr: str) -> list[Tracked]:
         rec = self._ups.pop(addr)
+        if rec.judging:  # the ones carrying bytes are counted before the record goes
+            self._settle_record_locked(rec)
         self._latency.remove(addr)
         self._ramping.discard(addr)
         conns = list(rec.conns.values())
         self._conn_count -= len(conns)
         rec.conns.clear()
+        rec.judging.clear()
         rec.activity.clear()
         return conns
 
@@ -571,10 +574,6 @@ class Registry:
     def rebalancing(self) -> bool:
         return self._rebalance is not None
 
-    @property
-    def stall_timeout(self) -> float:
-        return self._stall_timeout
-
     def sample_activity(self) -> None:
         """Note which live connections moved bytes since the last sample (their pipes
         count live; this only reads the counts, so the relay does no extra work), and,
@@ -589,51 +588,57 @@ class Registry:
         # A connection's Activity starts at the first sample that sees it, not in attach:
         # a new connection's pick costs nothing more with sampling on, and its age and
         # quiet time err short by at most one sample period (never long).
-        stall = self._stall_timeout > 0
+        timeout = self._stall_timeout
         for addr, rec in self._ups.items():
-            self._sample_record_locked(rec, now)
-            if stall:
-                self._stalls_locked(addr, rec, now, fx)
+            stalled = self._sample_record_locked(rec, now, timeout)
+            if stalled:
+                self._stalls_locked(addr, rec, now, stalled, fx)
 
     @staticmethod
-    def _sample_record_locked(rec: Record, now: float) -> None:
-        # bytes_up is read before up_answered (arguments go left to right): the mark only
-        # grows and never passes bytes_up, so a read racing the relay errs toward
-        # "answered", never toward a stall that was not.
+    def _sample_record_locked(rec: Record, now: float, timeout: float
+                              ) -> list[tuple[float, Tracked, Activity]]:
+        """Sample ``rec``'s connections; returns those stalled now (``timeout``: the
+        stall timeout, 0: none) as (unanswered for, connection, activity)."""
+        # One pass, and only two attribute reads for a connection that moved nothing:
+        # this runs under the registry lock every sample period for every connection.
+        # bytes_up is read before up_answered: the mark only grows and never passes
+        # bytes_up, so a read racing the relay errs toward "answered", never toward a
+        # stall that was not.
         acts = rec.activity
+        stalled: list[tuple[float, Tracked, Activity]] = []
         for key, conn in rec.conns.items():
             act = acts.get(key)
+            up, down = conn.bytes_up, conn.bytes_down
             if act is None:
-                acts[key] = Activity(now, conn.bytes_up, conn.bytes_down, conn.up_answered)
-            else:
-                act.sample(now, conn.bytes_up, conn.bytes_down, conn.up_answered)
+                act = acts[key] = Activity(now, up, down, conn.up_answered)
+            elif up != act.up or down != act.down:
+                act.sample(now, up, down, conn.up_answered)
+            if timeout and act.asked is not None and now - act.asked >= timeout:
+                stalled.append((now - act.asked, conn, act))
+        return stalled
 
-    def _stalls_locked(self, addr: str, rec: Record, now: float, fx: Effects) -> None:
-        """Count ``addr``'s newly stalled connections; a stall not yet covered by a check
-        asks for one now (Change "stall-check": the ticker runs its next check at once),
-        at most once per --stall-timeout, and only of an upstream that takes checks and
-        is not excluded (an excluded one is checked anyway, and loses nothing)."""
-        timeout = self._stall_timeout
-        stalled: list[tuple[float, str, Activity]] = []
-        for key, conn in rec.conns.items():
-            act = rec.activity.get(key)
-            if act is None or not act.is_stalled(now, timeout):
-                continue
+    def _stalls_locked(self, addr: str, rec: Record, now: float,
+                       stalled: list[tuple[float, Tracked, Activity]], fx: Effects) -> None:
+        """Count ``addr``'s newly ``stalled`` connections; a stall not yet covered by a
+        check asks for one now (Change "stall-check": the ticker runs its next check at
+        once), at most once per --stall-timeout, and only of an upstream that takes
+        checks and is not excluded (an excluded one is checked anyway, and loses
+        nothing)."""
+        for _, _, act in stalled:
             if not act.stalled:
                 act.stalled = True
                 rec.stalls += 1
-            stalled.append((act.stalled_for(now), conn.client, act))
-        if not stalled or all(act.checked for _, _, act in stalled):
+        if all(act.checked for _, _, act in stalled):
             return
         if rec.state.lifecycle not in sm.TAKES_CHECKS or sm.excluded(rec.state):
             return
-        if rec.stall_check_at is not None and now - rec.stall_check_at < timeout:
+        if rec.stall_check_at is not None and now - rec.stall_check_at < self._stall_timeout:
             return  # the rate limit: the next sample after it asks again
         for _, _, act in stalled:
             act.checked = True
         oldest = max(stalled, key=_first)
         rec.stall_check_at = now
-        rec.stall_trigger = StallTrigger(now, len(stalled), oldest[0], oldest[1])
+        rec.stall_trigger = StallTrigger(now, len(stalled), oldest[0], oldest[1].client)
         fx.changes.append(Change("stall-check", addr))
 
     def _close_stalled_locked(self, addr: str, rec: Record, now: float, fx: Effects) -> None:
@@ -646,10 +651,7 @@ class Registry:
                 a != addr and r.state.pickable and (r.state.ready or not self._readyz)
                 for a, r in self._ups.items()):
             return
-        self._sample_record_locked(rec, now)
-        acts = rec.activity
-        conns = [c for k, c in rec.conns.items()
-                 if (a := acts.get(k)) is not None and a.is_stalled(now, self._stall_timeout)]
+        conns = [c for _, c, _ in self._sample_record_locked(rec, now, self._stall_timeout)]
         if conns:
             fx.log(logging.INFO, "closing stalled connections upstream=%s connections=%d "
                    "reason=%r", addr, len(conns), "excluded by failed checks")
@@ -727,34 +729,39 @@ class Registry:
     # -- connections --------------------------------------------------------------
 
     def attach(self, target: Reservation | str, conn: Tracked) -> bool:
-        """Track a connection that just dialed its reserved upstream (the reservation
-        ends here, attached or not); False if the upstream drains or left meanwhile.
+        """Track a connection whose carrier is known (the reservation ends here, attached
+        or not) and count it; False if the upstream drains or left meanwhile.
 
         The reservation's dial succeeded: recorded here, in the same lock round trip. A
-        plain address attaches without a reservation and records nothing (tests, tools)."""
+        plain address attaches without a reservation and records nothing (the first
+        upstream after a hedge, tests, tools)."""
         with self.lock:
-            ok, fx = self._attach_locked(target, conn)
+            ok, fx = self._attach_locked(target, conn, judging=False)
         if fx is not None:
             self._run(fx)
         return ok
 
-    def attach_unjudged(self, res: Reservation, conn: Tracked) -> bool | None:
+    def attach_judging(self, res: Reservation, conn: Tracked) -> bool | None:
         """attach() before the silent-upstream check has judged the dial, so the check
-        and the relay can run as one native call (Pipe.run_judged). Only where the dial's
-        success changes nothing about the upstream (no streak to clear, no readiness to
-        reset: the common case), so a silent verdict recorded after it (Dialer.failed)
-        counts exactly as if the check had come first. None: it would change something;
-        nothing was done, and the caller judges first and then calls attach()."""
+        and the relay can run as one native call (Pipe.run_judged). The connection is
+        live (drains, shutdown and /upstreams see it) but not counted until it carries
+        (see :meth:`_settle_locked`): a silent or left verdict detaches it uncounted.
+
+        Only where the dial's success changes nothing about the upstream (no streak to
+        clear, no readiness to reset: the common case), so a silent verdict recorded after
+        it (FirstAnswer.judged) counts exactly as if the check had come first. None: it
+        would change something; nothing was done, and the caller judges first and then
+        calls attach()."""
         with self.lock:
             rec = self._ups.get(res.address)
             if rec is not None and not rec.state.draining and sm.dial_success_changes(
                     rec.state):
                 return None
-            ok, fx = self._attach_locked(res, conn)
+            ok, fx = self._attach_locked(res, conn, judging=True)
         assert fx is None  # a success that changes nothing has no effects
         return ok
 
-    def _attach_locked(self, target: Reservation | str, conn: Tracked
+    def _attach_locked(self, target: Reservation | str, conn: Tracked, *, judging: bool
                        ) -> tuple[bool, Effects | None]:
         fx = None
         if isinstance(target, Reservation):
@@ -768,22 +775,56 @@ class Registry:
                   or self._closing)
         if ok:
             assert rec is not None
-            rec.conns[id(conn)] = conn
-            rec.total_connections += 1
+            key = id(conn)
+            rec.conns[key] = conn
             self._conn_count += 1
-            self._connections_total += 1
+            if judging:
+                rec.judging.add(key)
+            else:
+                self._count_locked(rec)
         return ok, fx
 
-    def detach(self, addr: str, conn: Tracked) -> None:
+    def _count_locked(self, rec: Record) -> None:
+        """The one place a connection is counted (connections_total and its upstream's
+        total): once, on the upstream that carries it. That is known at attach(), or, for
+        a connection attached while its relay judges the first answer, when the relay
+        carries bytes (_settle_locked) or ends answered (detach)."""
+        rec.total_connections += 1
+        self._connections_total += 1
+
+    def _settle_locked(self) -> None:
+        """Count the judging connections whose relay carries bytes by now: the native relay
+        moves none before the upstream answered (nothing on a silent verdict), so a byte
+        either way means this upstream carries the connection. Run before every read of
+        the totals, so no reader sees a connection that carries uncounted."""
+        for rec in self._ups.values():
+            if rec.judging:
+                self._settle_record_locked(rec)
+
+    def _settle_record_locked(self, rec: Record) -> None:
+        for key in [k for k in rec.judging
+                    if rec.conns[k].bytes_up or rec.conns[k].bytes_down]:
+            rec.judging.discard(key)
+            self._count_locked(rec)
+
+    def detach(self, addr: str, conn: Tracked, *, carried: bool = True) -> None:
+        """The connection ended. ``carried``: False when its relay found the upstream
+        silent or the client gone before it answered (a judging connection is then never
+        counted)."""
         with self.lock:
             rec = self._ups.get(addr)
-            if rec is None or rec.conns.pop(id(conn), None) is None:
+            key = id(conn)
+            if rec is None or rec.conns.pop(key, None) is None:
                 return
+            if rec.judging and key in rec.judging:
+                rec.judging.discard(key)
+                if carried:
+                    self._count_locked(rec)
             if rec.activity:
-                rec.activity.pop(id(conn), None)
+                rec.activity.pop(key, None)
             self._conn_count -= 1
             if rec.close_plan:  # it ended before its admin close came
-                rec.close_plan = [(t, i) for t, i in rec.close_plan if i != id(conn)]
+                rec.close_plan = [(t, i) for t, i in rec.close_plan if i != key]
             rec.bytes_up += conn.bytes_up
             rec.bytes_down += conn.bytes_down
             if not (rec.state.draining and not rec.conns):
@@ -822,6 +863,7 @@ class Registry:
     def snapshot(self, *, connections: bool = False) -> Snapshot:
         """A frozen copy of every upstream (and, if asked, every live connection)."""
         with self.lock:
+            self._settle_locked()
             latency, readyz = self._latency_mode, self._readyz
             now, wall = self._clock(), self._wall()
             slow = self._slow_start > 0
