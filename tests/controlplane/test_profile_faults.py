@@ -159,7 +159,9 @@ def test_freeze_and_etcd_partition_with_the_shipped_profile(cluster: Any, fleet:
     rows: dict[str, dict[str, Any]] = {}
     for fault in FAULTS:
         compare.restore(cluster, fleet)
-        cell = TimedCell(cluster, fleet, fault, cluster.binary("kubectl"))
+        # settle_after_s matters to the roll and the scale-out only.
+        cell = TimedCell(cluster, fleet, fault, cluster.binary("kubectl"), "extractedprism",
+                         compare.AFTER_S)
         row = cell.run()
         t0, t1 = cell.t_fault, time.time()
         addr = cluster.endpoint(row["target"])
