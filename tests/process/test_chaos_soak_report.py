@@ -91,11 +91,30 @@ def test_total_decreasing_and_counter_drift_within_one_process() -> None:
     assert c2.violations == []
 
 
-def test_metric_above_the_next_documents_totals_is_drift() -> None:
+def test_the_counter_drifting_from_the_upstreams_totals() -> None:
     c = Checker("n1")
-    obs = clean(2)
-    c.observe(*obs[0][:2], 99.0, obs[0][3])  # counted more than the upstreams ever had
-    c.observe(*obs[1][:2], obs[1][2], obs[1][3])
+    obs = clean(4)
+    feed(c, obs[:2])
+    # Five connections counted that no upstream carried (two per second are new here,
+    # so the bounds allow two).
+    c.observe(*obs[2][:2], obs[2][2] + 5, obs[2][3])
+    c.observe(*obs[3][:2], obs[3][2] + 5, obs[3][3])
+    assert rules(c) == ["counter"]  # once, then from the new level on
+    c.observe(T0 + 4, doc(up(A, 2, 14, 0.6667), up(B, 1, 9, 0.3333)), 29.0, {A: 2, B: 1})
+    c.observe(T0 + 5, doc(up(A, 2, 15, 0.6667), up(B, 1, 10, 0.3333)), 31.0, {A: 2, B: 1})
+    assert rules(c) == ["counter"]
+
+
+def test_a_removed_upstreams_connections_stay_in_the_counter() -> None:
+    """connections_total keeps what a removed upstream carried: not drift."""
+    c = Checker("n1")
+    feed(c, clean(3))  # A and B, metric 15 + 2i + 1 between documents
+    gone = [(T0 + 3 + i, doc(up(A, 2, 13 + i, 1.0)), float(20 + 2 + i + 1), {A: 2})
+            for i in range(4)]  # B (total 7) left; the metric still holds its 7
+    feed(c, gone)
+    assert c.violations == []
+    c.observe(T0 + 8, doc(up(A, 2, 18, 1.0)), 0.0, {A: 2})  # the metric fell back: drift
+    c.observe(T0 + 9, doc(up(A, 2, 19, 1.0)), 0.0, {A: 2})
     assert rules(c) == ["counter"]
 
 

@@ -81,13 +81,16 @@ class Timing:
     proxy_down_s: float  # proxy-term / proxy-kill: started again after this
     pause_s: tuple[float, float]  # before each event, drawn from the seed
     tail_s: float  # watched after the last event
-    duration_s: float  # the sequence is drawn until this much is planned
+    duration_s: float  # no event starts after this (0: run the whole plan)
+    rolling: int  # API servers a rolling restart restarts, in turn (short: one step)
 
 
 LONG = Timing(kill_down_s=20, stop_s=30, partition_s=60, scale_hold_s=60, proxy_down_s=2,
-              pause_s=(10, 30), tail_s=65, duration_s=1200)
+              pause_s=(10, 30), tail_s=65, duration_s=1200, rolling=3)
+# An API server takes 15-60 s to start on a shared 2-core machine: the short mode's rolling
+# restart is one step of a roll (the server carrying most kubelets), not three.
 SHORT = Timing(kill_down_s=5, stop_s=10, partition_s=15, scale_hold_s=10, proxy_down_s=1,
-               pause_s=(2, 5), tail_s=15, duration_s=0)
+               pause_s=(2, 5), tail_s=15, duration_s=0, rolling=1)
 
 
 def _log(msg: str) -> None:
@@ -111,8 +114,9 @@ class Step:
 def estimate_s(kind: str, timing: Timing) -> float:
     """A rough length of one event with its recovery, for planning the sequence only."""
     return {"kill": timing.kill_down_s + 15, "stop": timing.stop_s + 10,
-            "partition": timing.partition_s + 15, "rolling": 45,
-            "scale": timing.scale_hold_s + 45}.get(kind, timing.proxy_down_s + 10)
+            "partition": timing.partition_s + 15,
+            "scale": timing.scale_hold_s + 45, "rolling": 15 * timing.rolling,
+            }.get(kind, timing.proxy_down_s + 10)
 
 
 def plan(seed: int, nodes: list[str], timing: Timing, short: bool) -> list[Step]:
@@ -337,7 +341,10 @@ class Event:
     target: str = ""
     pause_s: float = 0.0
     t_start: float = 0.0  # after its pause: the fault's first action
-    t_inject: list[float] = field(default_factory=list)  # every signal / cut it made
+    # Every signal or cut it made: (sent, in effect). A connection that began before the
+    # second and failed after the first was in flight (a killed process's backlog is
+    # reset until it is reaped).
+    t_inject: list[tuple[float, float]] = field(default_factory=list)
     t_undone: float = 0.0
     t_end: float = 0.0  # recovered: every server ready, every proxy sees them so
     proxy_down: tuple[float, float] | None = None  # no proxy listened on the node
@@ -356,6 +363,7 @@ class Soak:
         self.events: list[Event] = []
         self.findings: list[str] = []
         self.quiet: list[dict[str, Any]] = []  # per quiet point: node -> proc stats
+        self.handovers: dict[str, int] = {}  # per node: handovers so far
         self.sampler = observe.Sampler(cp, fleet.nodes, period=1.0, max_s=max_s)
         self.writer = compare.Writer(cp)
         self.writer.every = observe.Every("soak-writer", compare.WRITE_PERIOD,
@@ -515,12 +523,16 @@ class Soak:
         if ev.kind in PROXY_FAULTS:
             return self.proxy_fault(ev)
         if ev.kind == "rolling":
-            ev.target = "api1,api2,api3"
-            for api in cphost.APISERVERS:
+            apis = list(cphost.APISERVERS)
+            if self.timing.rolling < len(apis):
+                busiest, _ = observe.busiest_for_kubelets(cp, self.fleet)
+                apis = [busiest, *(a for a in apis if a != busiest)][:self.timing.rolling]
+            ev.target = ",".join(apis)
+            for api in apis:
                 self._controllers_off(api, ev)
                 self._avoid({api})
                 t = time.time()
-                ev.t_inject.append(t)
+                ev.t_inject.append((t, t))
                 clean = compare.stop_api(cp, api)
                 exited = time.time() - t
                 cp.start(api, cp.extra_args(api))
@@ -535,9 +547,10 @@ class Soak:
         ev.target = target
         self._controllers_off(target, ev)
         self._avoid({target})
-        ev.t_inject.append(time.time())
+        t = time.time()
         if ev.kind == "kill":
-            cp.kill(target)
+            cp.kill(target)  # returns once the process is reaped
+            ev.t_inject.append((t, time.time()))
             self._sleep(self.timing.kill_down_s)
             cp.start(target, cp.extra_args(target))
             ev.t_undone = time.time()
@@ -549,6 +562,7 @@ class Soak:
                              "partition": (cp.partition_etcd, cp.heal,
                                            self.timing.partition_s)}[ev.kind]
         begin(target)
+        ev.t_inject.append((t, time.time()))
         try:
             self._sleep(hold)
         finally:
@@ -574,8 +588,8 @@ class Soak:
                         f"{time.time() - t:.1f}s after start")
         self._sleep(self.timing.scale_hold_s)
         peak = {n: w.peak.get(addr, 0) for n, w in self.watches.items()}
-        ev.t_inject.append(time.time())
         t = time.time()
+        ev.t_inject.append((t, t))
         clean = compare.stop_api(cp, SPARE)
         ev.t_undone = time.time()
         deadline = time.monotonic() + 120
@@ -597,8 +611,8 @@ class Soak:
         if ev.kind in ("proxy-term", "proxy-kill"):
             sig = signal.SIGTERM if ev.kind == "proxy-term" else signal.SIGKILL
             t = time.time()
-            ev.t_inject.append(t)
             fleet.stop_proc(name, sig, timeout=PROXY_EXIT_TIMEOUT)
+            ev.t_inject.append((t, time.time()))
             if cp.pid(name) is not None:
                 ev.notes.append(f"pid {old_pid} still running {PROXY_EXIT_TIMEOUT:g}s "
                                 f"after {sig.name}: SIGKILL")
@@ -618,9 +632,18 @@ class Soak:
         old = cp._children.get(name)  # our Popen of it: reaped here, not by the plane
         log_path = Path(cp.dir) / f"{name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
+        # Its own admin socket, as each pod has one on its own emptyDir: with the old
+        # one's path the successor exits ("another process is serving on it") and takes
+        # nothing (seen in the first soak; docs/chaos.md).
+        self.handovers[node] = self.handovers.get(node, 0) + 1
+        extra = [a for a in fleet.state["nodes"][node].get("lb_extra", [])
+                 if not a.startswith("--admin-socket=")]
+        extra.append(f"--admin-socket={balancers.NODE_DIR}/extractedprism-"
+                     f"{self.handovers[node]}.admin")
         t = time.time()
-        ev.t_inject.append(t)
-        new_pid = self._start_proxy(node)
+        ev.t_inject.append((t, t))
+        new_pid = fleet.start_balancer(node, "extractedprism", self.ep_cmd, None,
+                                       fleet._node_files(node, extra))
         deadline = time.monotonic() + HANDOVER_TIMEOUT
         took = False
         while time.monotonic() < deadline:
@@ -638,9 +661,10 @@ class Soak:
             self.findings.append(f"event {ev.n}: the new proxy on {node} (pid {new_pid}) did "
                                  f"not take the listeners over; its log:\n{text[-1500:]}")
         assert old_pid is not None
+        t_term = time.time()
         with contextlib.suppress(ProcessLookupError):
             os.kill(old_pid, signal.SIGTERM)
-        ev.t_inject.append(time.time())
+        ev.t_inject.append((t_term, t_term))
         exited = None
         if old is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -670,7 +694,7 @@ def request_failures(soak: Soak) -> dict[str, Any]:
     before a signal or cut of an event and failed after it), ``proxy_down`` (refused while
     its node had no proxy listening: a bare restart, docs/lifecycle.md), ``beyond`` (the
     rest: the ones that count)."""
-    injects = sorted(t for ev in soak.events for t in ev.t_inject)
+    injects = sorted(iv for ev in soak.events for iv in ev.t_inject)
     out: dict[str, Any] = {"requests": 0, "failed": 0, "in_flight": 0, "proxy_down": 0,
                            "beyond": 0, "beyond_list": []}
     for node in soak.fleet.nodes:
@@ -690,7 +714,7 @@ def request_failures(soak: Soak) -> dict[str, Any]:
                     continue
                 out["failed"] += 1
                 end, begin = r["t"], r["t"] - float(r.get("dt") or 0)
-                if any(begin < t <= end for t in injects):
+                if any(begin < b and a <= end for a, b in injects):
                     out["in_flight"] += 1
                 elif any(a - 0.5 <= begin <= b + 0.5 for a, b in downs):
                     out["proxy_down"] += 1
@@ -699,10 +723,11 @@ def request_failures(soak: Soak) -> dict[str, Any]:
                     ev = event_at(soak.events, begin)
                     when = (f"during event {ev.n} {ev.kind} {ev.target}".rstrip() if ev
                             else "between events")
+                    since = (f", began {begin - ev.t_inject[0][0]:+.2f}s from its first "
+                             "signal or cut") if ev and ev.t_inject else ""
                     out["beyond_list"].append(
                         f"{time.strftime('%H:%M:%S', time.gmtime(begin))} {node} "
-                        f"{r.get('err') or 'HTTP ' + str(r.get('status'))} ({when}, "
-                        f"+{begin - ev.t_start:.1f}s)" if ev else f"({when})")
+                        f"{r.get('err') or 'HTTP ' + str(r.get('status'))} ({when}{since})")
     return out
 
 
@@ -753,6 +778,9 @@ def report(soak: Soak, meta: dict[str, Any]) -> dict[str, Any]:
         **meta,
         "sequence": [{"n": ev.n, "kind": ev.kind, "target": ev.target,
                       "pause_s": ev.pause_s,
+                      "at_s": round(ev.t_start - soak.t0, 1),
+                      "signals_s": [[round(a - soak.t0, 2), round(b - a, 2)]
+                                    for a, b in ev.t_inject],
                       "took_s": round(ev.t_end - ev.t_start, 1) if ev.t_end else None,
                       "lease_gap_max_s": ev.lease_gap_max_s,
                       "kubelet_failed": ev.kubelet_failed, "notes": ev.notes,
@@ -803,7 +831,8 @@ def render(rep: dict[str, Any]) -> str:
              f"average {rep.get('load_min')}-{rep.get('load_max')} (mean {rep.get('load_mean')})",
              "sequence:"]
     for e in rep["sequence"]:
-        lines.append(f"  {e['n']:2d}. {e['kind']:<15} {e['target']:<15} pause {e['pause_s']}s, "
+        lines.append(f"  {e['n']:2d}. +{e['at_s']}s {e['kind']:<15} {e['target']:<15} "
+                     f"pause {e['pause_s']}s, "
                      f"took {e['took_s']}s, Lease gap {e['lease_gap_max_s']}s, kubelet "
                      f"failed {e['kubelet_failed']}; {'; '.join(e['notes'])}"
                      + (f" ERROR {e['error']}" if e["error"] else ""))
