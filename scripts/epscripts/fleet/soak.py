@@ -52,13 +52,6 @@ API_FAULTS = ("kill", "stop", "partition", "rolling", "scale")
 PROXY_FAULTS = ("proxy-term", "proxy-kill", "proxy-handover")
 KINDS = API_FAULTS + PROXY_FAULTS
 SPARE = cphost.SPARE_APISERVERS[0]
-# The provisional production profile (issue 28 "Better out of the box", before its one
-# definition landed), used by --profile provisional: readyz with these timings, least-conn,
-# rebalancing, slow start, the stall check.
-PROVISIONAL = ["--health-check=readyz", "--health-interval=5s", "--health-timeout=1s",
-               "--health-recheck=1s", "--unready-drain-timeout=3s", "--stall-timeout=2s",
-               "--upstream-selection=least-conn", "--rebalance-interval=15s",
-               "--slow-start=20s"]
 # Every node's proxy also gets a handover socket of its own (the chart's default), so a
 # new instance can take its listeners over.
 HANDOVER = f"--handover-socket={balancers.NODE_DIR}/extractedprism.handover"
@@ -142,72 +135,13 @@ def plan(seed: int, nodes: list[str], timing: Timing, short: bool) -> list[Step]
 
 # --- the profile -----------------------------------------------------------------
 
-_PROFILE_PROBE = r"""
-import json, sys
-try:
-    from extractedprism.config import profile as p
-except Exception as exc:
-    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"})); sys.exit(0)
-def flags(v):
-    if callable(v):
-        v = v()
-    if isinstance(v, dict):
-        return [f"--{k.replace('_', '-').lstrip('-')}={x}" for k, x in v.items()]
-    if isinstance(v, (list, tuple)) and all(isinstance(a, str) for a in v):
-        return list(v)
-    return None
-for name in ("args", "ARGS", "FLAGS", "PRODUCTION_ARGS", "PRODUCTION_FLAGS", "flags",
-             "argv", "production_args", "production_flags", "PRODUCTION", "PROFILE",
-             "production"):
-    if hasattr(p, name):
-        got = flags(getattr(p, name))
-        if got:
-            print(json.dumps({"name": f"extractedprism.config.profile.{name}",
-                              "args": got})); sys.exit(0)
-print(json.dumps({"error": "no flag list found in extractedprism.config.profile: "
-                  + ", ".join(n for n in dir(p) if not n.startswith("_"))}))
-"""
-
-
-def supported_flags(ep_cmd: list[str]) -> str:
-    proc = subprocess.run([*ep_cmd, "--help"], capture_output=True, text=True, timeout=60,
-                          cwd=str(repo_root()))
-    return proc.stdout + proc.stderr
-
-
-def profile_args(choice: str, ep_cmd: list[str]) -> tuple[str, list[str], list[str]]:
-    """(which profile, its flags, flags left out because this build lacks them)."""
-    helptext = supported_flags(ep_cmd)
-
-    def keep(args: list[str]) -> tuple[list[str], list[str]]:
-        ok = [a for a in args if a.split("=", 1)[0] in helptext]
-        return ok, [a for a in args if a not in ok]
-
-    if choice in ("auto", "shipped"):
-        # `extractedprism profile --format args` prints the shipped profile's flags.
-        proc = subprocess.run([*ep_cmd, "profile", "--format", "args"], capture_output=True,
-                              text=True, timeout=60, cwd=str(repo_root()))
-        words = proc.stdout.split()
-        if proc.returncode == 0 and words and all(w.startswith("--") for w in words):
-            args, dropped = keep(words)
-            return "shipped (`extractedprism profile`)", args, dropped
-        proc = subprocess.run([ep_cmd[0], "-c", _PROFILE_PROBE], capture_output=True,
-                              text=True, timeout=60, cwd=str(repo_root()))
-        try:
-            got = json.loads(proc.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            got = {"error": (proc.stderr or proc.stdout)[-300:]}
-        if "args" in got:
-            args, dropped = keep(got["args"])
-            return f"shipped ({got['name']})", args, dropped
-        if choice == "shipped":
-            raise FleetError(f"no shipped profile: {got['error']}")
-        _log(f"no shipped profile ({got['error']}); running extractedprism as scripts/fleet "
-             "does")
-    if choice in ("auto", "fleet"):
-        return "fleet (scripts/fleet's own flags only)", [], []
-    args, dropped = keep(PROVISIONAL)
-    return "provisional (issue 28's values before the profile landed)", args, dropped
+def profile_args(choice: str, ep_cmd: list[str]) -> tuple[str, list[str]]:
+    """(which profile, its flags): the shipped one as scripts/compare reads it
+    (``extractedprism profile --format args``), or none beyond scripts/fleet's own."""
+    if choice == "fleet":
+        return "none (scripts/fleet's own flags only)", []
+    args, source = compare.read_profile(ep_cmd)
+    return f"production, from {source}", args
 
 
 # --- looking at each node from inside its namespace -------------------------------------
@@ -372,7 +306,9 @@ class Soak:
         self.watches = {n: NodeWatch(n, fleet.netns(n), Checker(
             n, leak_s=max(5.0, 2 * timeout + 3), slack_s=2.0), max_s) for n in fleet.nodes}
         self.interval = interval
-        self.cell = compare.Cell(cp, fleet, "soak", cp.binary("kubectl"))
+        # compare's clients and their figures, started and stopped through its Cell.
+        self.cell = compare.Cell(cp, fleet, "soak", cp.binary("kubectl"), "extractedprism",
+                                 0.0)
         self.t0 = 0.0
         self.t1 = 0.0
 
@@ -824,9 +760,7 @@ def verdict(rep: dict[str, Any]) -> list[tuple[bool, str]]:
 
 
 def render(rep: dict[str, Any]) -> str:
-    lines = [f"seed {rep['seed']}; profile: {rep['profile']} {' '.join(rep['profile_args'])}"
-             + (f" (left out, not in this build: {' '.join(rep['profile_dropped'])})"
-                if rep["profile_dropped"] else ""),
+    lines = [f"seed {rep['seed']}; profile: {rep['profile']}: {' '.join(rep['profile_args'])}",
              f"commit {rep['commit']}; {rep['nodes']} nodes; soak {rep['soak_s']}s; load "
              f"average {rep.get('load_min')}-{rep.get('load_max')} (mean {rep.get('load_mean')})",
              "sequence:"]
@@ -868,7 +802,7 @@ def run(cp: Any, *, seed: int, short: bool, nodes: int, timing: Timing, ep_cmd: 
         profile: str, fleet_ready_timeout: float = compare.READY_TIMEOUT,
         ) -> dict[str, Any]:
     """Fleet up on ``cp`` (running), the sequence, the report; the fleet is taken down."""
-    name, args, dropped = profile_args(profile, ep_cmd)
+    name, args = profile_args(profile, ep_cmd)
     fleet = Fleet(cp)
     if fleet.state["nodes"]:
         fleet.down()
@@ -898,7 +832,7 @@ def run(cp: Any, *, seed: int, short: bool, nodes: int, timing: Timing, ep_cmd: 
         soak.run()
         meta = {"seed": seed, "short": short, "nodes": nodes, "profile": name,
                 "profile_args": [*args, HANDOVER.replace(balancers.NODE_DIR, "<node>")],
-                "profile_dropped": dropped, "timing": asdict(timing),
+                "timing": asdict(timing),
                 "commit": commit(), "started": time.strftime(
                     "%Y-%m-%d %H:%M UTC", time.gmtime(soak.t0)),
                 "versions": {"kubernetes": cpbuild.KUBERNETES_VERSION,
@@ -932,10 +866,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=LONG.duration_s,
                    help="seconds of events to plan (long mode; default %(default)g)")
     p.add_argument("--nodes", type=int, default=3)
-    p.add_argument("--profile", choices=("auto", "shipped", "provisional", "fleet"),
-                   default="auto", help="auto: the shipped profile (`extractedprism "
-                   "profile`) if this checkout has one, else scripts/fleet's flags only "
-                   "(fleet); provisional: issue 28's values before the profile landed")
+    p.add_argument("--profile", choices=("production", "fleet"), default="production",
+                   help="production: the shipped profile (`extractedprism profile`); "
+                   "fleet: scripts/fleet's own flags only")
     p.add_argument("--ep-cmd", help="command that runs extractedprism (default: "
                    f"{' '.join(default_ep_cmd())})")
     p.add_argument("--plan-only", action="store_true", help="print the sequence and exit")
