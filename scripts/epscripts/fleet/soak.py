@@ -205,12 +205,16 @@ class NodeWatch:
     def _run(self) -> None:
         _enter_netns(self.netns)
         deadline = time.monotonic() + self.max_s
-        for _ in range(int(self.max_s / self.period) + 1):
-            if self._stop.is_set() or time.monotonic() > deadline:
-                return
-            t0 = time.monotonic()
-            self.poll()
-            self._stop.wait(max(0.0, self.period - (time.monotonic() - t0)))
+        try:
+            for _ in range(int(self.max_s / self.period) + 1):
+                if self._stop.is_set() or time.monotonic() > deadline:
+                    return
+                t0 = time.monotonic()
+                self.poll()
+                self._stop.wait(max(0.0, self.period - (time.monotonic() - t0)))
+        finally:
+            if self._conn is not None:
+                self._conn.close()
 
     def poll(self) -> None:
         t = time.time()
