@@ -67,12 +67,25 @@ def test_a_clean_sequence_has_no_violation() -> None:
     assert c.observations == 20 and c.violations == []
 
 
-def test_sum_and_share_and_active_over_total() -> None:
+def test_sum_and_share() -> None:
     c = Checker("n1")
-    d = doc(up(A, 2, 1, 0.5), up(B, 1, 5, 0.25))
+    d = doc(up(A, 2, 3, 0.5), up(B, 1, 5, 0.25))
     d["connections_active"] = 4
     c.observe(T0, d, None, {})
-    assert sorted(rules(c)) == ["active>total", "share", "sum"]
+    assert sorted(rules(c)) == ["share", "sum"]
+
+
+def test_more_live_than_counted_for_longer_than_a_first_answer_takes() -> None:
+    """A live connection awaiting its upstream's first answer is not counted yet: a
+    moment of active > total is fine, 5 s of it is not."""
+    c = Checker("n1", leak_s=5.0)
+    for i in range(4):  # 3 s: waiting for first answers
+        c.observe(T0 + i, doc(up(A, 2, 1, 1.0)), None, {A: 2})
+    c.observe(T0 + 4, doc(up(A, 2, 2, 1.0)), None, {A: 2})  # counted: clears
+    assert c.violations == []
+    for i in range(5, 12):
+        c.observe(T0 + i, doc(up(A, 3, 2, 1.0)), None, {A: 3})
+    assert rules(c) == ["active>total"] and c.violations[0].t == T0 + 10
 
 
 def test_total_decreasing_and_counter_drift_within_one_process() -> None:

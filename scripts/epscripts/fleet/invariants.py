@@ -11,7 +11,10 @@ talk to 127.0.0.1:7445). It returns the violations that observation shows, each 
   snapshot, taken under the registry lock: exact);
 * ``share``: ``connection_share`` adds up to 1 while any connection is live (each is rounded
   to 4 places);
-* ``active>total``: no upstream has more live connections than it ever had;
+* ``active>total``: no upstream has more live connections than it ever had, for longer
+  than ``leak_s``: a connection is counted once it carries, so one whose upstream has not
+  answered its first bytes yet is live and not yet in the total (at most the first-answer
+  wait, a second or two);
 * ``total-decreased``: an upstream's ``total_connections`` never goes down while it stays
   listed by the same process;
 * ``counter``: ``connections_total`` minus the upstreams' ``total_connections`` is the
@@ -83,6 +86,7 @@ class Checker:
     _unlisted_since: dict[str, float] = field(default_factory=dict)
     _socket_reported: set[str] = field(default_factory=set)
     _removed_reported: set[tuple[str, str | None]] = field(default_factory=set)
+    _over_since: dict[str, float] = field(default_factory=dict)
 
     def _add(self, t: float, rule: str, detail: str) -> None:
         self.violations.append(Violation(t, self.node, rule, detail))
@@ -108,8 +112,7 @@ class Checker:
                 self._add(t, "share", f"connection_share adds up to {share:.4f} with "
                           f"{live} live connections")
         for a in ups:
-            if active[a] > totals[a]:
-                self._add(t, "active>total", f"{a}: {active[a]} live, {totals[a]} in total")
+            self._check_over(t, a, active[a], totals[a], same)
             if same and a in self._prev_totals and totals[a] < self._prev_totals[a]:
                 self._add(t, "total-decreased", f"{a}: total_connections "
                           f"{self._prev_totals[a]} -> {totals[a]}")
@@ -121,6 +124,18 @@ class Checker:
         self._prev_totals = totals
         self._prev_metric = metric_total
         return self.violations[n0:]
+
+    def _check_over(self, t: float, a: str, active: int, total: int, same: bool) -> None:
+        if not same:
+            self._over_since.clear()
+        if active <= total:
+            self._over_since.pop(a, None)
+            return
+        since = self._over_since.setdefault(a, t)
+        if since is not None and t - since >= self.leak_s:
+            self._over_since[a] = float("inf")  # reported; again only after it clears
+            self._add(t, "active>total", f"{a}: {active} live, {total} in total for "
+                      f"{t - since:.1f}s")
 
     def _check_counter(self, t: float, totals: dict[str, int], same: bool) -> None:
         """The metric read after the previous document, between it and this one."""
