@@ -799,6 +799,63 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown(rep: dict[str, Any]) -> str:
+    """The report as docs/chaos.md shows it: the sequence and the results, without any
+    path of the measuring machine (findings' log tails are summarised, not pasted)."""
+    req = rep["requests"]
+    kube_failed = sum(rep["kubelet_failed"].values())
+    kube_all = sum(rep["kubelet_requests"].values())
+    life = rep["lifetimes"]
+    long_lived = [x for x in life if x["points"] >= 2]
+
+    def mib(kib: int) -> str:
+        return f"{kib / 1024:.1f}"
+
+    out = [f"Seed {rep['seed']}, {len(rep['sequence'])} events, soak {rep['soak_s']:.0f} s; "
+           f"profile: {rep['profile']}: `{' '.join(rep['profile_args'])}`; commit "
+           f"{rep['commit']}; {rep['nodes']} nodes; load average "
+           f"{rep['load_min']}-{rep['load_max']} (mean {rep['load_mean']}).", "",
+           "| # | at (s) | event | target | took (s) | longest Lease gap (s) | "
+           "kubelet requests failed | what happened |", "|---|---|---|---|---|---|---|---|"]
+    for e in rep["sequence"]:
+        notes = "; ".join(e["notes"]) + (f"; ERROR {e['error']}" if e["error"] else "")
+        out.append(f"| {e['n']} | {e['at_s']:.0f} | {e['kind']} | {e['target']} | "
+                   f"{e['took_s']} | {e['lease_gap_max_s']} | {e['kubelet_failed']} | "
+                   f"{notes} |")
+    grew = rep["growth_beyond_noise"]
+    out += ["", "| | result |", "|---|---|",
+            f"| nodes NotReady (target 0) | {len(rep['not_ready'])} |",
+            f"| longest Lease gap (s) | {rep['lease_gap_max_s']} |",
+            f"| watch events lost (target 0) | {rep['watch_lost']} of "
+            f"{sum(w['events_due'] for w in rep['watch'].values())} |",
+            f"| watch: longest gap (s); reconnects | "
+            f"{max(w['gap_max_s'] for w in rep['watch'].values())}; "
+            f"{sum(w['reconnects'] for w in rep['watch'].values())} |",
+            f"| request loop: requests; failed | {req['requests']}; {req['failed']} |",
+            f"| of which in flight; refused while the node's proxy restarted | "
+            f"{req['in_flight']}; {req['proxy_down']} |",
+            f"| **failed beyond those in flight** | {req['beyond']} |",
+            f"| kubelet requests failed (their `rest_client_requests_total`) | {kube_failed} of "
+            f"{kube_all} |",
+            f"| `/upstreams` observations; **invariant violations** | "
+            f"{sum(rep['observations'].values())}; {len(rep['violations'])} |",
+            f"| proxy lifetimes (at two quiet points or more); growth beyond noise | "
+            f"{len(long_lived)}; {len(grew)} |",
+            f"| findings | {len(rep['findings'])} |", "",
+            "| proxy | quiet points | RSS MiB | threads | fds (sockets, pipes) |",
+            "|---|---|---|---|---|"]
+    for x in life:
+        a, b = x["start"], x["end"]
+        out.append(f"| {x['node']} #{life.index(x) + 1} | {x['points']} ({x['from']} -> "
+                   f"{x['to']}) | {mib(a['rss_kib'])} -> {mib(b['rss_kib'])} | "
+                   f"{a['threads']} -> {b['threads']} | {a['fds']} ({a['sockets']}, "
+                   f"{a['pipes']}) -> {b['fds']} ({b['sockets']}, {b['pipes']}) |")
+    for v in rep["violations"]:
+        out.append(f"\nviolation: `{v['line']}`")
+    out += [f"\nrequest failed beyond in flight: {r}" for r in req["beyond_list"]]
+    return "\n".join(out)
+
+
 # --- the command -----------------------------------------------------------------
 
 
@@ -877,7 +934,12 @@ def main(argv: list[str] | None = None) -> int:
                    f"{' '.join(default_ep_cmd())})")
     p.add_argument("--plan-only", action="store_true", help="print the sequence and exit")
     p.add_argument("--json", help="write the report as JSON here too")
+    p.add_argument("--markdown", metavar="JSON", help="print a --json report as "
+                   "docs/chaos.md shows it, and exit")
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     timing = SHORT if args.short else Timing(**{**asdict(LONG), "duration_s": args.duration})
     if args.plan_only:
