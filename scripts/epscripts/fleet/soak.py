@@ -864,6 +864,7 @@ def run(cp: Any, *, seed: int, short: bool, nodes: int, timing: Timing, ep_cmd: 
         ) -> dict[str, Any]:
     """Fleet up on ``cp`` (running), the sequence, the report; the fleet is taken down."""
     name, args = profile_args(profile, ep_cmd)
+    measured = commit()  # at the start: the checkout may move while the soak runs
     fleet = Fleet(cp)
     if fleet.state["nodes"]:
         fleet.down()
@@ -894,7 +895,7 @@ def run(cp: Any, *, seed: int, short: bool, nodes: int, timing: Timing, ep_cmd: 
         meta = {"seed": seed, "short": short, "nodes": nodes, "profile": name,
                 "profile_args": [*args, HANDOVER.replace(balancers.NODE_DIR, "<node>")],
                 "timing": asdict(timing),
-                "commit": commit(), "started": time.strftime(
+                "commit": measured, "started": time.strftime(
                     "%Y-%m-%d %H:%M UTC", time.gmtime(soak.t0)),
                 "versions": {"kubernetes": cpbuild.KUBERNETES_VERSION,
                              "etcd": cpbuild.ETCD_VERSION}}
