@@ -205,3 +205,32 @@ def test_plan_only_prints_the_seeded_sequence() -> None:
     out = run("--seed", "11", "--short")
     assert out.startswith("seed 11\n") and len(out.splitlines()) == 1 + len(soak.KINDS)
     assert out == run("--seed", "11", "--short")
+
+
+def test_markdown_names_no_machine_path() -> None:
+    """docs/chaos.md's tables come from --markdown: the figures, and no path of the
+    machine that measured them (a finding's log tail is counted, not pasted)."""
+    st = {"pid": 1, "rss_kib": 31 * 1024, "threads": 14, "fds": 37, "sockets": 17,
+          "pipes": 16}
+    rep = {
+        "seed": 5, "soak_s": 300.0, "profile": "production", "nodes": 1, "commit": "abc",
+        "profile_args": ["--health-check=readyz"], "load_min": 1.0, "load_max": 2.0,
+        "load_mean": 1.5,
+        "sequence": [{"n": 1, "kind": "kill", "target": "api1", "at_s": 3.0, "took_s": 20.0,
+                      "lease_gap_max_s": 10.4, "kubelet_failed": 0, "notes": ["restarted"],
+                      "error": ""}],
+        "not_ready": {}, "lease_gap_max_s": 10.4, "watch_lost": 0,
+        "watch": {"n1": {"events_due": 9, "gap_max_s": 1.0, "reconnects": 1}},
+        "requests": {"requests": 10, "failed": 1, "in_flight": 1, "proxy_down": 0,
+                     "beyond": 0, "beyond_list": []},
+        "kubelet_failed": {"n1": 0}, "kubelet_requests": {"n1": 7},
+        "lifetimes": [{"node": "n1", "pid": 1, "from": "before 1", "to": "end",
+                       "points": 2, "start": st, "end": st, "growth": {}}],
+        "growth_beyond_noise": [], "observations": {"n1": 290}, "violations": [],
+        "findings": ["proxy on n1 exited; log tail:\n/tmp/extractedprism-controlplane/x"],
+    }
+    md = soak.markdown(rep)
+    assert "| kill | api1 | 20.0 | 10.4 | 0 | restarted |" in md
+    assert "| findings | 1 |" in md and "| `/upstreams` observations; **invariant " \
+        "violations** | 290; 0 |" in md
+    assert "/tmp" not in md
