@@ -40,7 +40,7 @@ SEED = int(os.environ.get("EP_CHAOS_SEED", "2929"))
 def test_chaos_soak_short(cluster: Any) -> None:
     t0 = time.monotonic()
     rep = soak.run(cluster, seed=SEED, short=True, nodes=3, timing=soak.SHORT,
-                   ep_cmd=[sys.executable, "-m", "extractedprism"], profile="auto")
+                   ep_cmd=[sys.executable, "-m", "extractedprism"], profile="production")
     print(soak.render(rep))
     record("chaos soak (short)", seed=SEED, profile=rep["profile"],
            events=[f"{e['kind']}{'@' + e['target'] if e['target'] else ''}"

@@ -67,12 +67,25 @@ def test_a_clean_sequence_has_no_violation() -> None:
     assert c.observations == 20 and c.violations == []
 
 
-def test_sum_and_share_and_active_over_total() -> None:
+def test_sum_and_share() -> None:
     c = Checker("n1")
-    d = doc(up(A, 2, 1, 0.5), up(B, 1, 5, 0.25))
+    d = doc(up(A, 2, 3, 0.5), up(B, 1, 5, 0.25))
     d["connections_active"] = 4
     c.observe(T0, d, None, {})
-    assert sorted(rules(c)) == ["active>total", "share", "sum"]
+    assert sorted(rules(c)) == ["share", "sum"]
+
+
+def test_more_live_than_counted_for_longer_than_a_first_answer_takes() -> None:
+    """A live connection awaiting its upstream's first answer is not counted yet: a
+    moment of active > total is fine, 5 s of it is not."""
+    c = Checker("n1", leak_s=5.0)
+    for i in range(4):  # 3 s: waiting for first answers
+        c.observe(T0 + i, doc(up(A, 2, 1, 1.0)), None, {A: 2})
+    c.observe(T0 + 4, doc(up(A, 2, 2, 1.0)), None, {A: 2})  # counted: clears
+    assert c.violations == []
+    for i in range(5, 12):
+        c.observe(T0 + i, doc(up(A, 3, 2, 1.0)), None, {A: 3})
+    assert rules(c) == ["active>total"] and c.violations[0].t == T0 + 10
 
 
 def test_total_decreasing_and_counter_drift_within_one_process() -> None:
@@ -91,11 +104,30 @@ def test_total_decreasing_and_counter_drift_within_one_process() -> None:
     assert c2.violations == []
 
 
-def test_metric_above_the_next_documents_totals_is_drift() -> None:
+def test_the_counter_drifting_from_the_upstreams_totals() -> None:
     c = Checker("n1")
-    obs = clean(2)
-    c.observe(*obs[0][:2], 99.0, obs[0][3])  # counted more than the upstreams ever had
-    c.observe(*obs[1][:2], obs[1][2], obs[1][3])
+    obs = clean(4)
+    feed(c, obs[:2])
+    # Five connections counted that no upstream carried (two per second are new here,
+    # so the bounds allow two).
+    c.observe(*obs[2][:2], obs[2][2] + 5, obs[2][3])
+    c.observe(*obs[3][:2], obs[3][2] + 5, obs[3][3])
+    assert rules(c) == ["counter"]  # once, then from the new level on
+    c.observe(T0 + 4, doc(up(A, 2, 14, 0.6667), up(B, 1, 9, 0.3333)), 29.0, {A: 2, B: 1})
+    c.observe(T0 + 5, doc(up(A, 2, 15, 0.6667), up(B, 1, 10, 0.3333)), 31.0, {A: 2, B: 1})
+    assert rules(c) == ["counter"]
+
+
+def test_a_removed_upstreams_connections_stay_in_the_counter() -> None:
+    """connections_total keeps what a removed upstream carried: not drift."""
+    c = Checker("n1")
+    feed(c, clean(3))  # A and B, metric 15 + 2i + 1 between documents
+    gone = [(T0 + 3 + i, doc(up(A, 2, 13 + i, 1.0)), float(20 + 2 + i + 1), {A: 2})
+            for i in range(4)]  # B (total 7) left; the metric still holds its 7
+    feed(c, gone)
+    assert c.violations == []
+    c.observe(T0 + 8, doc(up(A, 2, 18, 1.0)), 0.0, {A: 2})  # the metric fell back: drift
+    c.observe(T0 + 9, doc(up(A, 2, 19, 1.0)), 0.0, {A: 2})
     assert rules(c) == ["counter"]
 
 
@@ -173,3 +205,32 @@ def test_plan_only_prints_the_seeded_sequence() -> None:
     out = run("--seed", "11", "--short")
     assert out.startswith("seed 11\n") and len(out.splitlines()) == 1 + len(soak.KINDS)
     assert out == run("--seed", "11", "--short")
+
+
+def test_markdown_names_no_machine_path() -> None:
+    """docs/chaos.md's tables come from --markdown: the figures, and no path of the
+    machine that measured them (a finding's log tail is counted, not pasted)."""
+    st = {"pid": 1, "rss_kib": 31 * 1024, "threads": 14, "fds": 37, "sockets": 17,
+          "pipes": 16}
+    rep = {
+        "seed": 5, "soak_s": 300.0, "profile": "production", "nodes": 1, "commit": "abc",
+        "profile_args": ["--health-check=readyz"], "load_min": 1.0, "load_max": 2.0,
+        "load_mean": 1.5,
+        "sequence": [{"n": 1, "kind": "kill", "target": "api1", "at_s": 3.0, "took_s": 20.0,
+                      "lease_gap_max_s": 10.4, "kubelet_failed": 0, "notes": ["restarted"],
+                      "error": ""}],
+        "not_ready": {}, "lease_gap_max_s": 10.4, "watch_lost": 0,
+        "watch": {"n1": {"events_due": 9, "gap_max_s": 1.0, "reconnects": 1}},
+        "requests": {"requests": 10, "failed": 1, "in_flight": 1, "proxy_down": 0,
+                     "beyond": 0, "beyond_list": []},
+        "kubelet_failed": {"n1": 0}, "kubelet_requests": {"n1": 7},
+        "lifetimes": [{"node": "n1", "pid": 1, "from": "before 1", "to": "end",
+                       "points": 2, "start": st, "end": st, "growth": {}}],
+        "growth_beyond_noise": [], "observations": {"n1": 290}, "violations": [],
+        "findings": ["proxy on n1 exited; log tail:\n/tmp/extractedprism-controlplane/x"],
+    }
+    md = soak.markdown(rep)
+    assert "| kill | api1 | 20.0 | 10.4 | 0 | restarted |" in md
+    assert "| findings | 1 |" in md and "| `/upstreams` observations; **invariant " \
+        "violations** | 290; 0 |" in md
+    assert "/tmp" not in md

@@ -11,12 +11,18 @@ talk to 127.0.0.1:7445). It returns the violations that observation shows, each 
   snapshot, taken under the registry lock: exact);
 * ``share``: ``connection_share`` adds up to 1 while any connection is live (each is rounded
   to 4 places);
-* ``active>total``: no upstream has more live connections than it ever had;
+* ``active>total``: no upstream has more live connections than it ever had, for longer
+  than ``leak_s``: a connection is counted once it carries, so one whose upstream has not
+  answered its first bytes yet is live and not yet in the total (at most the first-answer
+  wait, a second or two);
 * ``total-decreased``: an upstream's ``total_connections`` never goes down while it stays
   listed by the same process;
-* ``counter``: the metric ``connections_total`` read between two documents of the same
-  process listing the same upstreams lies between their sums of ``total_connections``
-  (both are counted at the same attach: a difference is drift);
+* ``counter``: ``connections_total`` minus the upstreams' ``total_connections`` is the
+  connections of upstreams removed since the process started (both are counted at the
+  same attach), so it changes only when an upstream leaves the list. The metric is read
+  between two documents of the same process, so each pair with the same upstreams
+  bounds that difference from both sides; bounds that no longer overlap are drift
+  (reported once, then the bounds start again);
 * ``reservation``: an upstream's ``dials_in_flight`` does not stay above 0 for
   ``leak_s`` (a dial ends within its timeout; a count that never returns to 0 is a
   reservation left behind);
@@ -72,11 +78,15 @@ class Checker:
     _prev_started: str | None = None
     _prev_totals: dict[str, int] = field(default_factory=dict)
     _prev_metric: float | None = None
+    # Bounds of connections_total - sum(total_connections) for the current process.
+    _drift_lo: float = 0.0
+    _drift_hi: float = float("inf")
     _dials_since: dict[str, tuple[float, int]] = field(default_factory=dict)
     _leak_reported: set[str] = field(default_factory=set)
     _unlisted_since: dict[str, float] = field(default_factory=dict)
     _socket_reported: set[str] = field(default_factory=set)
     _removed_reported: set[tuple[str, str | None]] = field(default_factory=set)
+    _over_since: dict[str, float] = field(default_factory=dict)
 
     def _add(self, t: float, rule: str, detail: str) -> None:
         self.violations.append(Violation(t, self.node, rule, detail))
@@ -102,19 +112,11 @@ class Checker:
                 self._add(t, "share", f"connection_share adds up to {share:.4f} with "
                           f"{live} live connections")
         for a in ups:
-            if active[a] > totals[a]:
-                self._add(t, "active>total", f"{a}: {active[a]} live, {totals[a]} in total")
+            self._check_over(t, a, active[a], totals[a], same)
             if same and a in self._prev_totals and totals[a] < self._prev_totals[a]:
                 self._add(t, "total-decreased", f"{a}: total_connections "
                           f"{self._prev_totals[a]} -> {totals[a]}")
-        # The metric read after the previous document, between it and this one.
-        if (same and self._prev_metric is not None
-                and set(self._prev_totals) == set(totals)):
-            low, high = sum(self._prev_totals.values()), sum(totals.values())
-            if not low <= self._prev_metric <= high:
-                self._add(t, "counter", f"extractedprism_connections_total "
-                          f"{self._prev_metric:g} outside the upstreams' totals before "
-                          f"and after it [{low}, {high}]")
+        self._check_counter(t, totals, same)
         self._check_dials(t, ups, same)
         self._check_removed(t, ups, started)
         self._check_sockets(t, ups, sockets)
@@ -122,6 +124,43 @@ class Checker:
         self._prev_totals = totals
         self._prev_metric = metric_total
         return self.violations[n0:]
+
+    def _check_over(self, t: float, a: str, active: int, total: int, same: bool) -> None:
+        if not same:
+            self._over_since.clear()
+        if active <= total:
+            self._over_since.pop(a, None)
+            return
+        since = self._over_since.setdefault(a, t)
+        if since is not None and t - since >= self.leak_s:
+            self._over_since[a] = float("inf")  # reported; again only after it clears
+            self._add(t, "active>total", f"{a}: {active} live, {total} in total for "
+                      f"{t - since:.1f}s")
+
+    def _check_counter(self, t: float, totals: dict[str, int], same: bool) -> None:
+        """The metric read after the previous document, between it and this one."""
+        if not same:
+            self._drift_lo, self._drift_hi = 0.0, float("inf")
+            return
+        if set(self._prev_totals) - set(totals):
+            # An upstream left: the difference grew by its total (known only roughly).
+            self._drift_hi = float("inf")
+            return
+        if self._prev_metric is None or set(self._prev_totals) != set(totals):
+            return
+        before, after = sum(self._prev_totals.values()), sum(totals.values())
+        lo = max(self._drift_lo, self._prev_metric - after)
+        hi = min(self._drift_hi, self._prev_metric - before)
+        if lo > hi:
+            self._add(t, "counter", f"extractedprism_connections_total "
+                      f"{self._prev_metric:g} read between documents whose upstreams "
+                      f"counted {before} and {after}: it exceeds them by "
+                      f"{self._prev_metric - before:g}..{self._prev_metric - after:g}, "
+                      f"before by {self._drift_lo:g}..{self._drift_hi:g} "
+                      "(removed upstreams' connections)")
+            lo = max(0.0, self._prev_metric - after)
+            hi = self._prev_metric - before
+        self._drift_lo, self._drift_hi = lo, hi
 
     def _check_dials(self, t: float, ups: dict[str, Any], same: bool) -> None:
         if not same:

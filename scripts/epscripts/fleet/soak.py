@@ -52,13 +52,6 @@ API_FAULTS = ("kill", "stop", "partition", "rolling", "scale")
 PROXY_FAULTS = ("proxy-term", "proxy-kill", "proxy-handover")
 KINDS = API_FAULTS + PROXY_FAULTS
 SPARE = cphost.SPARE_APISERVERS[0]
-# The provisional production profile (issue 28 "Better out of the box", before its one
-# definition landed), used by --profile provisional: readyz with these timings, least-conn,
-# rebalancing, slow start, the stall check.
-PROVISIONAL = ["--health-check=readyz", "--health-interval=5s", "--health-timeout=1s",
-               "--health-recheck=1s", "--unready-drain-timeout=3s", "--stall-timeout=2s",
-               "--upstream-selection=least-conn", "--rebalance-interval=15s",
-               "--slow-start=20s"]
 # Every node's proxy also gets a handover socket of its own (the chart's default), so a
 # new instance can take its listeners over.
 HANDOVER = f"--handover-socket={balancers.NODE_DIR}/extractedprism.handover"
@@ -81,13 +74,16 @@ class Timing:
     proxy_down_s: float  # proxy-term / proxy-kill: started again after this
     pause_s: tuple[float, float]  # before each event, drawn from the seed
     tail_s: float  # watched after the last event
-    duration_s: float  # the sequence is drawn until this much is planned
+    duration_s: float  # no event starts after this (0: run the whole plan)
+    rolling: int  # API servers a rolling restart restarts, in turn (short: one step)
 
 
 LONG = Timing(kill_down_s=20, stop_s=30, partition_s=60, scale_hold_s=60, proxy_down_s=2,
-              pause_s=(10, 30), tail_s=65, duration_s=1200)
+              pause_s=(10, 30), tail_s=65, duration_s=1200, rolling=3)
+# An API server takes 15-60 s to start on a shared 2-core machine: the short mode's rolling
+# restart is one step of a roll (the server carrying most kubelets), not three.
 SHORT = Timing(kill_down_s=5, stop_s=10, partition_s=15, scale_hold_s=10, proxy_down_s=1,
-               pause_s=(2, 5), tail_s=15, duration_s=0)
+               pause_s=(2, 5), tail_s=15, duration_s=0, rolling=1)
 
 
 def _log(msg: str) -> None:
@@ -111,8 +107,9 @@ class Step:
 def estimate_s(kind: str, timing: Timing) -> float:
     """A rough length of one event with its recovery, for planning the sequence only."""
     return {"kill": timing.kill_down_s + 15, "stop": timing.stop_s + 10,
-            "partition": timing.partition_s + 15, "rolling": 45,
-            "scale": timing.scale_hold_s + 45}.get(kind, timing.proxy_down_s + 10)
+            "partition": timing.partition_s + 15,
+            "scale": timing.scale_hold_s + 45, "rolling": 15 * timing.rolling,
+            }.get(kind, timing.proxy_down_s + 10)
 
 
 def plan(seed: int, nodes: list[str], timing: Timing, short: bool) -> list[Step]:
@@ -138,72 +135,13 @@ def plan(seed: int, nodes: list[str], timing: Timing, short: bool) -> list[Step]
 
 # --- the profile -----------------------------------------------------------------
 
-_PROFILE_PROBE = r"""
-import json, sys
-try:
-    from extractedprism.config import profile as p
-except Exception as exc:
-    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"})); sys.exit(0)
-def flags(v):
-    if callable(v):
-        v = v()
-    if isinstance(v, dict):
-        return [f"--{k.replace('_', '-').lstrip('-')}={x}" for k, x in v.items()]
-    if isinstance(v, (list, tuple)) and all(isinstance(a, str) for a in v):
-        return list(v)
-    return None
-for name in ("args", "ARGS", "FLAGS", "PRODUCTION_ARGS", "PRODUCTION_FLAGS", "flags",
-             "argv", "production_args", "production_flags", "PRODUCTION", "PROFILE",
-             "production"):
-    if hasattr(p, name):
-        got = flags(getattr(p, name))
-        if got:
-            print(json.dumps({"name": f"extractedprism.config.profile.{name}",
-                              "args": got})); sys.exit(0)
-print(json.dumps({"error": "no flag list found in extractedprism.config.profile: "
-                  + ", ".join(n for n in dir(p) if not n.startswith("_"))}))
-"""
-
-
-def supported_flags(ep_cmd: list[str]) -> str:
-    proc = subprocess.run([*ep_cmd, "--help"], capture_output=True, text=True, timeout=60,
-                          cwd=str(repo_root()))
-    return proc.stdout + proc.stderr
-
-
-def profile_args(choice: str, ep_cmd: list[str]) -> tuple[str, list[str], list[str]]:
-    """(which profile, its flags, flags left out because this build lacks them)."""
-    helptext = supported_flags(ep_cmd)
-
-    def keep(args: list[str]) -> tuple[list[str], list[str]]:
-        ok = [a for a in args if a.split("=", 1)[0] in helptext]
-        return ok, [a for a in args if a not in ok]
-
-    if choice in ("auto", "shipped"):
-        # `extractedprism profile --format args` prints the shipped profile's flags.
-        proc = subprocess.run([*ep_cmd, "profile", "--format", "args"], capture_output=True,
-                              text=True, timeout=60, cwd=str(repo_root()))
-        words = proc.stdout.split()
-        if proc.returncode == 0 and words and all(w.startswith("--") for w in words):
-            args, dropped = keep(words)
-            return "shipped (`extractedprism profile`)", args, dropped
-        proc = subprocess.run([ep_cmd[0], "-c", _PROFILE_PROBE], capture_output=True,
-                              text=True, timeout=60, cwd=str(repo_root()))
-        try:
-            got = json.loads(proc.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            got = {"error": (proc.stderr or proc.stdout)[-300:]}
-        if "args" in got:
-            args, dropped = keep(got["args"])
-            return f"shipped ({got['name']})", args, dropped
-        if choice == "shipped":
-            raise FleetError(f"no shipped profile: {got['error']}")
-        _log(f"no shipped profile ({got['error']}); running extractedprism as scripts/fleet "
-             "does")
-    if choice in ("auto", "fleet"):
-        return "fleet (scripts/fleet's own flags only)", [], []
-    args, dropped = keep(PROVISIONAL)
-    return "provisional (issue 28's values before the profile landed)", args, dropped
+def profile_args(choice: str, ep_cmd: list[str]) -> tuple[str, list[str]]:
+    """(which profile, its flags): the shipped one as scripts/compare reads it
+    (``extractedprism profile --format args``), or none beyond scripts/fleet's own."""
+    if choice == "fleet":
+        return "none (scripts/fleet's own flags only)", []
+    args, source = compare.read_profile(ep_cmd)
+    return f"production, from {source}", args
 
 
 # --- looking at each node from inside its namespace -------------------------------------
@@ -267,12 +205,16 @@ class NodeWatch:
     def _run(self) -> None:
         _enter_netns(self.netns)
         deadline = time.monotonic() + self.max_s
-        for _ in range(int(self.max_s / self.period) + 1):
-            if self._stop.is_set() or time.monotonic() > deadline:
-                return
-            t0 = time.monotonic()
-            self.poll()
-            self._stop.wait(max(0.0, self.period - (time.monotonic() - t0)))
+        try:
+            for _ in range(int(self.max_s / self.period) + 1):
+                if self._stop.is_set() or time.monotonic() > deadline:
+                    return
+                t0 = time.monotonic()
+                self.poll()
+                self._stop.wait(max(0.0, self.period - (time.monotonic() - t0)))
+        finally:
+            if self._conn is not None:
+                self._conn.close()
 
     def poll(self) -> None:
         t = time.time()
@@ -337,7 +279,10 @@ class Event:
     target: str = ""
     pause_s: float = 0.0
     t_start: float = 0.0  # after its pause: the fault's first action
-    t_inject: list[float] = field(default_factory=list)  # every signal / cut it made
+    # Every signal or cut it made: (sent, in effect). A connection that began before the
+    # second and failed after the first was in flight (a killed process's backlog is
+    # reset until it is reaped).
+    t_inject: list[tuple[float, float]] = field(default_factory=list)
     t_undone: float = 0.0
     t_end: float = 0.0  # recovered: every server ready, every proxy sees them so
     proxy_down: tuple[float, float] | None = None  # no proxy listened on the node
@@ -356,6 +301,7 @@ class Soak:
         self.events: list[Event] = []
         self.findings: list[str] = []
         self.quiet: list[dict[str, Any]] = []  # per quiet point: node -> proc stats
+        self.handovers: dict[str, int] = {}  # per node: handovers so far
         self.sampler = observe.Sampler(cp, fleet.nodes, period=1.0, max_s=max_s)
         self.writer = compare.Writer(cp)
         self.writer.every = observe.Every("soak-writer", compare.WRITE_PERIOD,
@@ -364,7 +310,9 @@ class Soak:
         self.watches = {n: NodeWatch(n, fleet.netns(n), Checker(
             n, leak_s=max(5.0, 2 * timeout + 3), slack_s=2.0), max_s) for n in fleet.nodes}
         self.interval = interval
-        self.cell = compare.Cell(cp, fleet, "soak", cp.binary("kubectl"))
+        # compare's clients and their figures, started and stopped through its Cell.
+        self.cell = compare.Cell(cp, fleet, "soak", cp.binary("kubectl"), "extractedprism",
+                                 0.0)
         self.t0 = 0.0
         self.t1 = 0.0
 
@@ -515,12 +463,16 @@ class Soak:
         if ev.kind in PROXY_FAULTS:
             return self.proxy_fault(ev)
         if ev.kind == "rolling":
-            ev.target = "api1,api2,api3"
-            for api in cphost.APISERVERS:
+            apis = list(cphost.APISERVERS)
+            if self.timing.rolling < len(apis):
+                busiest, _ = observe.busiest_for_kubelets(cp, self.fleet)
+                apis = [busiest, *(a for a in apis if a != busiest)][:self.timing.rolling]
+            ev.target = ",".join(apis)
+            for api in apis:
                 self._controllers_off(api, ev)
                 self._avoid({api})
                 t = time.time()
-                ev.t_inject.append(t)
+                ev.t_inject.append((t, t))
                 clean = compare.stop_api(cp, api)
                 exited = time.time() - t
                 cp.start(api, cp.extra_args(api))
@@ -535,9 +487,10 @@ class Soak:
         ev.target = target
         self._controllers_off(target, ev)
         self._avoid({target})
-        ev.t_inject.append(time.time())
+        t = time.time()
         if ev.kind == "kill":
-            cp.kill(target)
+            cp.kill(target)  # returns once the process is reaped
+            ev.t_inject.append((t, time.time()))
             self._sleep(self.timing.kill_down_s)
             cp.start(target, cp.extra_args(target))
             ev.t_undone = time.time()
@@ -549,6 +502,7 @@ class Soak:
                              "partition": (cp.partition_etcd, cp.heal,
                                            self.timing.partition_s)}[ev.kind]
         begin(target)
+        ev.t_inject.append((t, time.time()))
         try:
             self._sleep(hold)
         finally:
@@ -574,8 +528,8 @@ class Soak:
                         f"{time.time() - t:.1f}s after start")
         self._sleep(self.timing.scale_hold_s)
         peak = {n: w.peak.get(addr, 0) for n, w in self.watches.items()}
-        ev.t_inject.append(time.time())
         t = time.time()
+        ev.t_inject.append((t, t))
         clean = compare.stop_api(cp, SPARE)
         ev.t_undone = time.time()
         deadline = time.monotonic() + 120
@@ -597,8 +551,8 @@ class Soak:
         if ev.kind in ("proxy-term", "proxy-kill"):
             sig = signal.SIGTERM if ev.kind == "proxy-term" else signal.SIGKILL
             t = time.time()
-            ev.t_inject.append(t)
             fleet.stop_proc(name, sig, timeout=PROXY_EXIT_TIMEOUT)
+            ev.t_inject.append((t, time.time()))
             if cp.pid(name) is not None:
                 ev.notes.append(f"pid {old_pid} still running {PROXY_EXIT_TIMEOUT:g}s "
                                 f"after {sig.name}: SIGKILL")
@@ -618,9 +572,18 @@ class Soak:
         old = cp._children.get(name)  # our Popen of it: reaped here, not by the plane
         log_path = Path(cp.dir) / f"{name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
+        # Its own admin socket, as each pod has one on its own emptyDir: with the old
+        # one's path the successor exits ("another process is serving on it") and takes
+        # nothing (seen in the first soak; docs/chaos.md).
+        self.handovers[node] = self.handovers.get(node, 0) + 1
+        extra = [a for a in fleet.state["nodes"][node].get("lb_extra", [])
+                 if not a.startswith("--admin-socket=")]
+        extra.append(f"--admin-socket={balancers.NODE_DIR}/extractedprism-"
+                     f"{self.handovers[node]}.admin")
         t = time.time()
-        ev.t_inject.append(t)
-        new_pid = self._start_proxy(node)
+        ev.t_inject.append((t, t))
+        new_pid = fleet.start_balancer(node, "extractedprism", self.ep_cmd, None,
+                                       fleet._node_files(node, extra))
         deadline = time.monotonic() + HANDOVER_TIMEOUT
         took = False
         while time.monotonic() < deadline:
@@ -638,9 +601,10 @@ class Soak:
             self.findings.append(f"event {ev.n}: the new proxy on {node} (pid {new_pid}) did "
                                  f"not take the listeners over; its log:\n{text[-1500:]}")
         assert old_pid is not None
+        t_term = time.time()
         with contextlib.suppress(ProcessLookupError):
             os.kill(old_pid, signal.SIGTERM)
-        ev.t_inject.append(time.time())
+        ev.t_inject.append((t_term, t_term))
         exited = None
         if old is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -670,7 +634,7 @@ def request_failures(soak: Soak) -> dict[str, Any]:
     before a signal or cut of an event and failed after it), ``proxy_down`` (refused while
     its node had no proxy listening: a bare restart, docs/lifecycle.md), ``beyond`` (the
     rest: the ones that count)."""
-    injects = sorted(t for ev in soak.events for t in ev.t_inject)
+    injects = sorted(iv for ev in soak.events for iv in ev.t_inject)
     out: dict[str, Any] = {"requests": 0, "failed": 0, "in_flight": 0, "proxy_down": 0,
                            "beyond": 0, "beyond_list": []}
     for node in soak.fleet.nodes:
@@ -690,7 +654,7 @@ def request_failures(soak: Soak) -> dict[str, Any]:
                     continue
                 out["failed"] += 1
                 end, begin = r["t"], r["t"] - float(r.get("dt") or 0)
-                if any(begin < t <= end for t in injects):
+                if any(begin < b and a <= end for a, b in injects):
                     out["in_flight"] += 1
                 elif any(a - 0.5 <= begin <= b + 0.5 for a, b in downs):
                     out["proxy_down"] += 1
@@ -699,10 +663,11 @@ def request_failures(soak: Soak) -> dict[str, Any]:
                     ev = event_at(soak.events, begin)
                     when = (f"during event {ev.n} {ev.kind} {ev.target}".rstrip() if ev
                             else "between events")
+                    since = (f", began {begin - ev.t_inject[0][0]:+.2f}s from its first "
+                             "signal or cut") if ev and ev.t_inject else ""
                     out["beyond_list"].append(
                         f"{time.strftime('%H:%M:%S', time.gmtime(begin))} {node} "
-                        f"{r.get('err') or 'HTTP ' + str(r.get('status'))} ({when}, "
-                        f"+{begin - ev.t_start:.1f}s)" if ev else f"({when})")
+                        f"{r.get('err') or 'HTTP ' + str(r.get('status'))} ({when}{since})")
     return out
 
 
@@ -753,6 +718,9 @@ def report(soak: Soak, meta: dict[str, Any]) -> dict[str, Any]:
         **meta,
         "sequence": [{"n": ev.n, "kind": ev.kind, "target": ev.target,
                       "pause_s": ev.pause_s,
+                      "at_s": round(ev.t_start - soak.t0, 1),
+                      "signals_s": [[round(a - soak.t0, 2), round(b - a, 2)]
+                                    for a, b in ev.t_inject],
                       "took_s": round(ev.t_end - ev.t_start, 1) if ev.t_end else None,
                       "lease_gap_max_s": ev.lease_gap_max_s,
                       "kubelet_failed": ev.kubelet_failed, "notes": ev.notes,
@@ -796,14 +764,13 @@ def verdict(rep: dict[str, Any]) -> list[tuple[bool, str]]:
 
 
 def render(rep: dict[str, Any]) -> str:
-    lines = [f"seed {rep['seed']}; profile: {rep['profile']} {' '.join(rep['profile_args'])}"
-             + (f" (left out, not in this build: {' '.join(rep['profile_dropped'])})"
-                if rep["profile_dropped"] else ""),
+    lines = [f"seed {rep['seed']}; profile: {rep['profile']}: {' '.join(rep['profile_args'])}",
              f"commit {rep['commit']}; {rep['nodes']} nodes; soak {rep['soak_s']}s; load "
              f"average {rep.get('load_min')}-{rep.get('load_max')} (mean {rep.get('load_mean')})",
              "sequence:"]
     for e in rep["sequence"]:
-        lines.append(f"  {e['n']:2d}. {e['kind']:<15} {e['target']:<15} pause {e['pause_s']}s, "
+        lines.append(f"  {e['n']:2d}. +{e['at_s']}s {e['kind']:<15} {e['target']:<15} "
+                     f"pause {e['pause_s']}s, "
                      f"took {e['took_s']}s, Lease gap {e['lease_gap_max_s']}s, kubelet "
                      f"failed {e['kubelet_failed']}; {'; '.join(e['notes'])}"
                      + (f" ERROR {e['error']}" if e["error"] else ""))
@@ -832,6 +799,63 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown(rep: dict[str, Any]) -> str:
+    """The report as docs/chaos.md shows it: the sequence and the results, without any
+    path of the measuring machine (findings' log tails are summarised, not pasted)."""
+    req = rep["requests"]
+    kube_failed = sum(rep["kubelet_failed"].values())
+    kube_all = sum(rep["kubelet_requests"].values())
+    life = rep["lifetimes"]
+    long_lived = [x for x in life if x["points"] >= 2]
+
+    def mib(kib: int) -> str:
+        return f"{kib / 1024:.1f}"
+
+    out = [f"Seed {rep['seed']}, {len(rep['sequence'])} events, soak {rep['soak_s']:.0f} s; "
+           f"profile: {rep['profile']}: `{' '.join(rep['profile_args'])}`; commit "
+           f"{rep['commit']}; {rep['nodes']} nodes; load average "
+           f"{rep['load_min']}-{rep['load_max']} (mean {rep['load_mean']}).", "",
+           "| # | at (s) | event | target | took (s) | longest Lease gap (s) | "
+           "kubelet requests failed | what happened |", "|---|---|---|---|---|---|---|---|"]
+    for e in rep["sequence"]:
+        notes = "; ".join(e["notes"]) + (f"; ERROR {e['error']}" if e["error"] else "")
+        out.append(f"| {e['n']} | {e['at_s']:.0f} | {e['kind']} | {e['target']} | "
+                   f"{e['took_s']} | {e['lease_gap_max_s']} | {e['kubelet_failed']} | "
+                   f"{notes} |")
+    grew = rep["growth_beyond_noise"]
+    out += ["", "| | result |", "|---|---|",
+            f"| nodes NotReady (target 0) | {len(rep['not_ready'])} |",
+            f"| longest Lease gap (s) | {rep['lease_gap_max_s']} |",
+            f"| watch events lost (target 0) | {rep['watch_lost']} of "
+            f"{sum(w['events_due'] for w in rep['watch'].values())} |",
+            f"| watch: longest gap (s); reconnects | "
+            f"{max(w['gap_max_s'] for w in rep['watch'].values())}; "
+            f"{sum(w['reconnects'] for w in rep['watch'].values())} |",
+            f"| request loop: requests; failed | {req['requests']}; {req['failed']} |",
+            f"| of which in flight; refused while the node's proxy restarted | "
+            f"{req['in_flight']}; {req['proxy_down']} |",
+            f"| **failed beyond those in flight** | {req['beyond']} |",
+            f"| kubelet requests failed (their `rest_client_requests_total`) | {kube_failed} of "
+            f"{kube_all} |",
+            f"| `/upstreams` observations; **invariant violations** | "
+            f"{sum(rep['observations'].values())}; {len(rep['violations'])} |",
+            f"| proxy lifetimes (at two quiet points or more); growth beyond noise | "
+            f"{len(long_lived)}; {len(grew)} |",
+            f"| findings | {len(rep['findings'])} |", "",
+            "| proxy | quiet points | RSS MiB | threads | fds (sockets, pipes) |",
+            "|---|---|---|---|---|"]
+    for x in life:
+        a, b = x["start"], x["end"]
+        out.append(f"| {x['node']} #{life.index(x) + 1} | {x['points']} ({x['from']} -> "
+                   f"{x['to']}) | {mib(a['rss_kib'])} -> {mib(b['rss_kib'])} | "
+                   f"{a['threads']} -> {b['threads']} | {a['fds']} ({a['sockets']}, "
+                   f"{a['pipes']}) -> {b['fds']} ({b['sockets']}, {b['pipes']}) |")
+    for v in rep["violations"]:
+        out.append(f"\nviolation: `{v['line']}`")
+    out += [f"\nrequest failed beyond in flight: {r}" for r in req["beyond_list"]]
+    return "\n".join(out)
+
+
 # --- the command -----------------------------------------------------------------
 
 
@@ -839,7 +863,8 @@ def run(cp: Any, *, seed: int, short: bool, nodes: int, timing: Timing, ep_cmd: 
         profile: str, fleet_ready_timeout: float = compare.READY_TIMEOUT,
         ) -> dict[str, Any]:
     """Fleet up on ``cp`` (running), the sequence, the report; the fleet is taken down."""
-    name, args, dropped = profile_args(profile, ep_cmd)
+    name, args = profile_args(profile, ep_cmd)
+    measured = commit()  # at the start: the checkout may move while the soak runs
     fleet = Fleet(cp)
     if fleet.state["nodes"]:
         fleet.down()
@@ -869,8 +894,8 @@ def run(cp: Any, *, seed: int, short: bool, nodes: int, timing: Timing, ep_cmd: 
         soak.run()
         meta = {"seed": seed, "short": short, "nodes": nodes, "profile": name,
                 "profile_args": [*args, HANDOVER.replace(balancers.NODE_DIR, "<node>")],
-                "profile_dropped": dropped, "timing": asdict(timing),
-                "commit": commit(), "started": time.strftime(
+                "timing": asdict(timing),
+                "commit": measured, "started": time.strftime(
                     "%Y-%m-%d %H:%M UTC", time.gmtime(soak.t0)),
                 "versions": {"kubernetes": cpbuild.KUBERNETES_VERSION,
                              "etcd": cpbuild.ETCD_VERSION}}
@@ -903,15 +928,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=LONG.duration_s,
                    help="seconds of events to plan (long mode; default %(default)g)")
     p.add_argument("--nodes", type=int, default=3)
-    p.add_argument("--profile", choices=("auto", "shipped", "provisional", "fleet"),
-                   default="auto", help="auto: the shipped profile (`extractedprism "
-                   "profile`) if this checkout has one, else scripts/fleet's flags only "
-                   "(fleet); provisional: issue 28's values before the profile landed")
+    p.add_argument("--profile", choices=("production", "fleet"), default="production",
+                   help="production: the shipped profile (`extractedprism profile`); "
+                   "fleet: scripts/fleet's own flags only")
     p.add_argument("--ep-cmd", help="command that runs extractedprism (default: "
                    f"{' '.join(default_ep_cmd())})")
     p.add_argument("--plan-only", action="store_true", help="print the sequence and exit")
     p.add_argument("--json", help="write the report as JSON here too")
+    p.add_argument("--markdown", metavar="JSON", help="print a --json report as "
+                   "docs/chaos.md shows it, and exit")
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     timing = SHORT if args.short else Timing(**{**asdict(LONG), "duration_s": args.duration})
     if args.plan_only:
