@@ -128,3 +128,11 @@ def test_render_keeps_the_notes_and_says_what_was_not_measured(tmp_path: Path) -
     path.write_text(first.replace("(no reading written yet)", "A person's reading."))
     compare_doc.write(path, doc)
     assert "A person's reading." in path.read_text()
+
+
+def test_the_command_line_names_no_path_of_the_measuring_machine():
+    assert [compare_doc.portable(a) for a in ["scripts/compare", "--go-original-bin",
+                                  "/tmp/fleetwork/extractedprism-go", "--ep-cmd",
+                                  "/work/main/.venv/bin/python", "-m", "extractedprism"]] == [
+        "scripts/compare", "--go-original-bin", "DIR/extractedprism-go", "--ep-cmd",
+        ".venv/bin/python", "-m", "extractedprism"]

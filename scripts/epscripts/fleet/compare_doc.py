@@ -126,6 +126,18 @@ def as_good(rows: dict[str, dict[str, Any]], lbs: list[str]) -> list[str]:
     return out
 
 
+def portable(arg: str) -> str:
+    """An argument as a reader can use it: no path of the measuring machine (a committed
+    doc names none), so ``/work/main/.venv/bin/python`` -> ``.venv/bin/python`` and
+    ``/tmp/fleetwork/extractedprism-go`` -> ``DIR/extractedprism-go``."""
+    if not arg.startswith("/"):
+        return arg
+    parts = arg.split("/")
+    if ".venv" in parts:
+        return "/".join(parts[parts.index(".venv"):])
+    return "DIR/" + parts[-1]
+
+
 def render(doc: dict[str, Any], previous: str | None = None) -> str:
     lbs = doc["lbs"]
     by = {}
@@ -137,7 +149,8 @@ def render(doc: dict[str, Any], previous: str | None = None) -> str:
     t = doc["timing"]
     head = "| | " + " | ".join(NAMES[b] for b in lbs) + " |\n|---|" + "---|" * len(lbs) + "\n"
     runs = doc.get("runs") or [{"started": doc["started"], "argv": doc["argv"]}]
-    said = "; ".join(f"started {r['started']}: `{' '.join(r['argv'])}`" for r in runs)
+    said = "; ".join(f"started {r['started']}: `{' '.join(portable(a) for a in r['argv'])}`"
+                     for r in runs)
     out = [f"""# Node-local balancers side by side under API-server faults
 
 Written by `scripts/compare` ({len(runs)} run{'s' if len(runs) > 1 else ''}: {said};
