@@ -45,6 +45,7 @@ SUBCOMMANDS: dict[str, str] = {
     "status": "extractedprism.ops.status:main",
     "admin": "extractedprism.ops.admin:main",
     "static-pod": "extractedprism.ops.staticpod:main",
+    "profile": "extractedprism.ops.profile:main",
 }
 
 

@@ -67,8 +67,18 @@ def gil_cpu_valid(value: str) -> bool:
     return allowed is None or int(value) in allowed
 
 
+# 0 (off) or at most a minute: a client-go client gives up on its TLS handshake after 10 s,
+# so a longer delay would never fire; the bound also keeps it within the native relay's
+# millisecond timeout (a C int: about 596 hours).
+ANSWER_HEDGE_DELAY_MAX = 60.0
+ANSWER_HEDGE_DELAY = Check(lambda v: 0 <= v <= ANSWER_HEDGE_DELAY_MAX,
+                           "must be between 0 (off) and 60s")
+
 # 0 (off) or long enough that one close per interval stays gentle.
 REBALANCE_INTERVAL = Check(lambda v: v == 0 or v >= 0.1, "must be 0 (off) or at least 100ms")
+# 0 (off) or long enough that the sampling (a quarter of it) stays cheap and an ordinary
+# answer's round trip is never taken for a stall.
+STALL_TIMEOUT = Check(lambda v: v == 0 or v >= 0.5, "must be 0 (off) or at least 500ms")
 
 
 class ConfigError(Error, ValueError):
@@ -220,6 +230,20 @@ FLAGS: tuple[Flag, ...] = (
         group="selection",
     ),
     Flag(
+        "stall-timeout",
+        "duration",
+        "0s",
+        "A connection stalls when its client has sent bytes and its upstream has sent "
+        "nothing back for this long (sampled from the relay's byte counters); a stall runs "
+        "its upstream's next health check now (at most once per upstream per stall "
+        "timeout), and that check counts like any other: a stall alone never closes a "
+        "connection or marks an upstream down; when failed checks exclude an upstream "
+        "while another serves, its connections stalled then are closed at once, the "
+        "others keep --unready-drain-timeout (0: off)",
+        checks=(STALL_TIMEOUT,),
+        group="health",
+    ),
+    Flag(
         "health-check",
         "choice",
         "tcp",
@@ -318,8 +342,8 @@ FLAGS: tuple[Flag, ...] = (
         "within this delay sends the same ClientHello to one other pickable upstream too, "
         "and the first to answer carries the connection (the other is closed once it "
         "answers, or counts as a failed dial if it never does within --health-timeout); "
-        "only a complete ClientHello is ever sent twice; 0 turns this off",
-        checks=(NOT_NEGATIVE,),
+        "only a complete ClientHello is ever sent twice; 0 turns this off; at most 60s",
+        checks=(ANSWER_HEDGE_DELAY,),
         group="datapath",
     ),
     Flag(
@@ -407,10 +431,13 @@ def _threshold_above_interval(v: Mapping[str, Any], show: Callable[[str], str]) 
     return f"{show('liveness_threshold')} must be greater than {show('liveness_interval')}"
 
 
+READYZ_NEEDS_CA = "--health-check=readyz requires --health-check-ca-file"
+
+
 def _readyz_needs_ca(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
     if v["health_check"] != "readyz" or v["health_check_ca_file"]:
         return None
-    return "--health-check=readyz requires --health-check-ca-file"
+    return READYZ_NEEDS_CA
 
 
 def _cert_and_key(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:

@@ -32,8 +32,8 @@ from extractedprism.errors import Error
 
 READY, NOT_READY, UNREACHABLE = 0, 1, 2
 MAX_ANSWER_BYTES = 16 * 1024 * 1024  # an /upstreams document is a few KiB per upstream
-COLUMNS = ("ADDRESS", "SOURCE", "STATE", "READY", "TIER", "RTT", "CONNS", "SHARE", "SINCE",
-           "ADMIN", "LAST ERROR")
+COLUMNS = ("ADDRESS", "SOURCE", "STATE", "READY", "TIER", "RTT", "CONNS", "SHARE", "STALLS",
+           "SINCE", "ADMIN", "LAST ERROR")
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
@@ -211,6 +211,29 @@ def share_text(u: Mapping[str, Any]) -> str:
     return text
 
 
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def stalls_text(u: Mapping[str, Any]) -> str:
+    """The stall check's column: stalls seen, those stalled now, and how many of the
+    checks they asked for failed: ``3 (1 now) checks 1/2 failed``; ``-`` when the stall
+    check is off or the server has no such field."""
+    stalls = _count(u.get("stalls"))
+    if stalls is None:
+        return "-"
+    text = str(stalls)
+    now = _count(u.get("stalled_connections"))
+    if now:
+        text += f" ({now} now)"
+    checks = u.get("stall_checks")
+    if isinstance(checks, dict):
+        failed, passed = _count(checks.get("failed")) or 0, _count(checks.get("passed")) or 0
+        if failed + passed:
+            text += f" checks {failed}/{failed + passed} failed"
+    return text
+
+
 def rebalance_text(doc: Mapping[str, Any], now: datetime.datetime) -> str | None:
     """``rebalance: last close 4m12s ago, last round: no skew`` (None when off or absent)."""
     r = doc.get("rebalance")
@@ -258,7 +281,7 @@ def row(u: Mapping[str, Any], now: datetime.datetime) -> list[str]:
         ready = u.get("readiness") == "ready"
     return [_dash(u.get("address")), _source(u), state_word(u), _yes_no(ready),
             _dash(u.get("tier")), _rtt(u.get("rtt_seconds")), conns_text(u), share_text(u),
-            age(u.get("since"), now), _admin(u), _last_error(u)]
+            stalls_text(u), age(u.get("since"), now), _admin(u), _last_error(u)]
 
 
 def _healthy(u: Mapping[str, Any]) -> bool:
@@ -301,6 +324,11 @@ def summary(doc: Mapping[str, Any], ready: bool,
     balanced = rebalance_text(doc, now or datetime.datetime.now(datetime.UTC))
     if balanced:
         parts.append(balanced)
+    stall = doc.get("stall_check")
+    if isinstance(stall, dict) and stall.get("enabled"):
+        timeout = stall.get("timeout_seconds")
+        parts.append("stall check on" + (f" ({timeout:g}s)" if isinstance(timeout, (int, float))
+                                         else ""))
     for key in ("relay", "version"):
         if doc.get(key):
             parts.append(f"{key} {doc[key]}")

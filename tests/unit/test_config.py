@@ -250,3 +250,13 @@ def test_config_is_the_flag_table_one_field_per_row_with_its_default():
     # validate() with only the required flag gives exactly Config's defaults.
     assert validate(dict(OK)) == Config(endpoints=validate(dict(OK)).endpoints)
     assert Config(endpoints=()).replace(bind_port=1).bind_port == 1
+
+
+def test_answer_hedge_delay_is_bounded():
+    """Issue 29, item 10: a delay past a minute never fires for a client-go client (its
+    TLS handshake gives up after 10 s), and ~596 h overflowed the native relay's int."""
+    assert validate({**OK, "answer_hedge_delay": "60s"}).answer_hedge_delay == 60
+    assert validate({**OK, "answer_hedge_delay": "0"}).answer_hedge_delay == 0
+    for bad in ("61s", "700h"):
+        assert problems(answer_hedge_delay=bad) == [
+            f"--answer-hedge-delay ({bad}) must be between 0 (off) and 60s"]

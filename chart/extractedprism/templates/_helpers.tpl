@@ -196,6 +196,7 @@ upstream-selection: upstreamSelection
 rebalance-interval: rebalanceInterval
 rebalance-quiet: rebalanceQuiet
 slow-start: slowStart
+stall-timeout: stallTimeout
 health-check: healthCheck
 health-check-ca-file: healthCheckCaFile
 health-check-cert-file: healthCheckCertFile
