@@ -287,7 +287,7 @@ person's. How it works and how to run it again: [below](#how-it-runs).
 
 ## Targets
 
-Issue 28's targets for extractedprism as the chart ships it (its production profile,
+The targets for extractedprism as the chart ships it (its production profile,
 [below](#configurations)); "best peer": the fewest of HAProxy, nginx and the Go original in
 the same fault.
 
