@@ -140,6 +140,9 @@ UNUSED = [
     ("server-name-with-tcp-checks", ("--health-check-server-name", "api.example.com"), {},
      "--health-check-server-name (api.example.com) has no effect: only the readyz check uses "
      "it, and --health-check is tcp"),
+    ("unready-drain-with-tcp-checks", ("--unready-drain-timeout", "3s"), {},
+     "--unready-drain-timeout (3s) has no effect: only the readyz check finds an upstream "
+     "unready, and --health-check is tcp"),
     ("state-file-without-discovery", ("--state-file", "/var/lib/ep/state.json"), {},
      "--state-file (/var/lib/ep/state.json) has no effect: discovery is off, and only "
      "discovery's lists are kept there"),
