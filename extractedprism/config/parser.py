@@ -1,16 +1,20 @@
 """The command line's parser, built from the flag table (pure but for argparse).
 
 One option per row of :data:`~extractedprism.config.table.FLAGS`, bound to its ``EP_``
-variable, its help text saying its rules and default once; values that start with a
-dash joined to their option so validate() words the problem; ``EP_`` variables that no
-flag reads, with the closest real one. The server (cli.py) and ``extractedprism
-static-pod`` (ops/staticpod.py) share it.
+variable, listed in its --help section, its help text saying its rules and default once;
+values that start with a dash joined to their option so validate() words the problem;
+no abbreviations; an unknown flag or a usage error is one line (:class:`UsageError`) with
+the closest real flag; a value from the environment is named by its variable in every
+message; ``EP_`` variables that no flag reads, with the closest real one. The server
+(cli.py, through :func:`parse`) and ``extractedprism static-pod`` (ops/staticpod.py)
+share it.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import errno
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -257,8 +261,10 @@ def _start_problems(values: Mapping[str, str | None], names: Mapping[str, str]) 
     if not path.strip() or not discovery:
         return []
     try:
-        with open(path, "rb"):
-            pass
+        # O_NONBLOCK: a FIFO given by mistake must not hang the start.
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
     except OSError as exc:
         reason = (exc.strerror or str(exc)).lower()
         shown = show_value(FLAG_BY_NAME["kubeconfig"], path, names.get("kubeconfig", ""))

@@ -576,6 +576,8 @@ UNUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     *((dest, lambda c: c.health_check == "tcp", _READYZ_ONLY)
       for dest in ("health_check_ca_file", "health_check_cert_file", "health_check_key_file",
                    "health_check_token_file", "health_check_server_name")),
+    ("unready_drain_timeout", lambda c: c.health_check == "tcp",
+     "only the readyz check finds an upstream unready, and --health-check is tcp"),
     ("state_file", lambda c: not c.enable_discovery,
      "discovery is off, and only discovery's lists are kept there"),
     ("kubeconfig", lambda c: not c.enable_discovery, "discovery is off"),

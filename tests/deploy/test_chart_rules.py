@@ -206,3 +206,16 @@ def test_every_cross_field_rule_of_the_program_has_a_case(unchecked_chart) -> No
         options = [FLAG_BY_NAME[f.replace("_", "-")].option for f in rule.fields]
         assert any(all(o in p for o in options) for p in problems), (
             f"no case triggers the program's rule {rule.text!r}")
+
+
+@pytest.mark.parametrize("values", [
+    {}, {"enableDiscovery": False}, {"healthCheck": "tcp"}, {"healthCheck": "readyz"},
+    {"rebalanceInterval": "0s"},
+], ids=["defaults", "no-discovery", "tcp", "readyz", "no-rebalance"])
+def test_the_chart_passes_no_setting_the_program_would_call_ignored(values) -> None:
+    # Each would be a warning at every pod's start that nobody asked for.
+    from extractedprism.config.table import unused_settings
+
+    env = env_of(container(_render(CHART_DIR, {"endpoints": ENDPOINTS, **values})))
+    raw = flag_values(env)
+    assert unused_settings(raw, validate(raw)) == []

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from extractedprism.cli import SUBCOMMANDS
 from tests.logcheck import parse_logfmt
 from tests.process.proxyproc import start_proxy
 from tests.util import run_cli, wait_until
@@ -19,6 +20,7 @@ from tests.util import run_cli, wait_until
 HELP = "see 'extractedprism --help'"
 REQUIRED = "--endpoints is required: give a comma-separated list of API server host:port pairs"
 OK = ("--endpoints", "127.0.0.1:1", "--enable-discovery=false")
+SUBS = ", ".join(SUBCOMMANDS)
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,10 @@ MISTAKES = (
             (f"extractedprism: argument --endpoints: expected one argument; {HELP}",)),
     Mistake("misspelled-subcommand", ("stauts",),
             ("extractedprism: unknown subcommand 'stauts' (did you mean status?); the "
-             "subcommands are status, admin, static-pod, and the proxy itself takes only "
-             f"flags: {HELP}",)),
+             f"subcommands are {SUBS}, and the proxy itself takes only flags: {HELP}",)),
     Mistake("unknown-subcommand", ("serve", "--endpoints", "10.0.0.1:6443"),
-            ("extractedprism: unknown subcommand 'serve'; the subcommands are status, admin, "
-             f"static-pod, and the proxy itself takes only flags: {HELP}",)),
+            ("extractedprism: unknown subcommand 'serve'; the subcommands are "
+             f"{SUBS}, and the proxy itself takes only flags: {HELP}",)),
     Mistake("static-pod-typo", ("static-pod", "--imge", "x", "--endpoints", "10.0.0.1:6443"),
             ("extractedprism static-pod: unknown flag --imge (did you mean --image?); see "
              "'extractedprism static-pod --help'",)),
@@ -139,6 +140,9 @@ UNUSED = [
     ("server-name-with-tcp-checks", ("--health-check-server-name", "api.example.com"), {},
      "--health-check-server-name (api.example.com) has no effect: only the readyz check uses "
      "it, and --health-check is tcp"),
+    ("unready-drain-with-tcp-checks", ("--unready-drain-timeout", "3s"), {},
+     "--unready-drain-timeout (3s) has no effect: only the readyz check finds an upstream "
+     "unready, and --health-check is tcp"),
     ("state-file-without-discovery", ("--state-file", "/var/lib/ep/state.json"), {},
      "--state-file (/var/lib/ep/state.json) has no effect: discovery is off, and only "
      "discovery's lists are kept there"),

@@ -268,3 +268,11 @@ def test_profile_comes_from_the_product_and_the_stall_variant_takes_only_its_sta
     assert args == compare.PROFILE_FALLBACK and "PROFILE_FALLBACK" in source
     with pytest.raises(compare.FleetError, match="exit 3"):
         compare.read_profile([sys.executable, "-c", "import sys; sys.exit(3)"])
+
+
+def test_the_command_line_names_no_path_of_the_measuring_machine():
+    assert [compare_doc.portable(a) for a in ["scripts/compare", "--go-original-bin",
+                                  "/tmp/fleetwork/extractedprism-go", "--ep-cmd",
+                                  "/work/main/.venv/bin/python", "-m", "extractedprism"]] == [
+        "scripts/compare", "--go-original-bin", "DIR/extractedprism-go", "--ep-cmd",
+        ".venv/bin/python", "-m", "extractedprism"]

@@ -132,7 +132,7 @@ def test_demo_failover_admin_restart_and_cleanup():
 
 
 @pytest.mark.timeout(60)
-def test_a_demo_killed_outright_takes_its_children_with_it():
+def test_a_demo_killed_outright_takes_its_children_and_its_directory_with_it():
     bind, health = free_ports(2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
     env["PYTHONPATH"] = f"{ROOT / 'scripts'}{os.pathsep}{ROOT}"
@@ -148,6 +148,8 @@ def test_a_demo_killed_outright_takes_its_children_with_it():
     try:
         wait_until(lambda: any("Ctrl-C stops everything" in line for line in lines), 40,
                    message="the demo running")
+        tmp = Path(printed(lines, r"removes (\S+)\.$").group(1))
+        assert (tmp / "ca.key").exists()
         pids = {int(p) for p in re.findall(r"pid (\d+)$", "".join(lines), re.M)}
         pids.add(int(printed(lines, r"^\s+proxy: .*\(extractedprism, pid (\d+)\)$").group(1)))
         assert len(pids) == 4
@@ -155,6 +157,8 @@ def test_a_demo_killed_outright_takes_its_children_with_it():
         proc.wait()
         wait_until(lambda: not [p for p in pids if alive(p)], 20,
                    message="the upstreams and the proxy gone with the demo")
+        # ... and the directory with the demo CA's private key with them.
+        wait_until(lambda: not tmp.exists(), 10, message="the demo's directory removed")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -87,6 +87,16 @@ tcp
 {{- end -}}
 {{- end -}}
 
+{{/*
+--unready-drain-timeout acts only with readyz checks (the program warns that it has no effect
+otherwise): render it only then, so a tcp-checked install logs no warning it did not ask for.
+*/}}
+{{- define "extractedprism.unreadyDrainTimeout" -}}
+{{- if eq (include "extractedprism.healthCheck" .) "readyz" -}}
+{{- toString (default "" .Values.unreadyDrainTimeout) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The state file is read only with discovery (the program warns otherwise): render it only then. */}}
 {{- define "extractedprism.stateFile" -}}
 {{- if .Values.enableDiscovery -}}
@@ -238,6 +248,8 @@ admin-socket: adminSocket
 {{- $value = include "extractedprism.healthCheckCaFile" $ -}}
 {{- else if eq $key "stateFile" -}}
 {{- $value = include "extractedprism.stateFile" $ -}}
+{{- else if eq $key "unreadyDrainTimeout" -}}
+{{- $value = include "extractedprism.unreadyDrainTimeout" $ -}}
 {{- else if kindIs "bool" $value -}}
 {{- $value = ternary "true" "false" $value -}}
 {{- else if has $key $intKeys -}}

@@ -129,6 +129,9 @@ def main() -> int:
     signal.signal(signal.SIGUSR1, on_restart)
 
     tmp = Path(tempfile.mkdtemp(prefix="extractedprism-demo-"))
+    # Removes tmp if this process dies without its finally (SIGKILL).
+    janitor = subprocess.Popen(python_module("epscripts.demo.janitor", str(tmp)),
+                               env=child_env(), stdin=subprocess.DEVNULL)
     ups: list[list] = []  # [name, process, address]
     proxy: subprocess.Popen[str] | None = None
     rc = 0
@@ -235,5 +238,6 @@ extractedprism demo is running
         for _, proc, _ in ups:
             stop_process(proc, 10.0)
         shutil.rmtree(tmp, ignore_errors=True)
+        stop_process(janitor, 5.0)
         print(f"demo stopped; removed {tmp}", flush=True)
     return rc

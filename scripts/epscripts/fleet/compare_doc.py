@@ -242,7 +242,7 @@ def _header(doc: dict[str, Any]) -> str:
 
     def one(r: dict[str, Any], with_commit: bool) -> str:
         c = f" on commit {r.get('commit') or '(not recorded)'}" if with_commit else ""
-        return f"started {r['started']}{c}{took}: `{' '.join(r['argv'])}`"
+        return f"started {r['started']}{c}{took}: `{' '.join(portable(a) for a in r['argv'])}`"
 
     if len(commits) == 1:
         said = "; ".join(one(r, False) for r in runs)
@@ -253,6 +253,18 @@ def _header(doc: dict[str, Any]) -> str:
     later = ("; a later run's cells replace an earlier one's, and each cell's details say "
              "which run it is from" if len(runs) > 1 else "")
     return f"Written by `scripts/compare` from {what}{later}."
+
+
+def portable(arg: str) -> str:
+    """An argument as a reader can use it: no path of the measuring machine (a committed
+    doc names none), so ``/work/main/.venv/bin/python`` -> ``.venv/bin/python`` and
+    ``/tmp/fleetwork/extractedprism-go`` -> ``DIR/extractedprism-go``."""
+    if not arg.startswith("/"):
+        return arg
+    parts = arg.split("/")
+    if ".venv" in parts:
+        return "/".join(parts[parts.index(".venv"):])
+    return "DIR/" + parts[-1]
 
 
 def render(doc: dict[str, Any], previous: str | None = None) -> str:
@@ -275,7 +287,7 @@ person's. How it works and how to run it again: [below](#how-it-runs).
 
 ## Targets
 
-Issue 28's targets for extractedprism as the chart ships it (its production profile,
+The targets for extractedprism as the chart ships it (its production profile,
 [below](#configurations)); "best peer": the fewest of HAProxy, nginx and the Go original in
 the same fault.
 
