@@ -30,7 +30,12 @@ import time
 from typing import TYPE_CHECKING
 
 from extractedprism import __version__
-from extractedprism.checks.probes import Prober, ReadyzSettings, ca_file_problem, probe
+from extractedprism.checks.probes import (
+    ProbeConnections,
+    Prober,
+    ReadyzSettings,
+    ca_file_problem,
+)
 from extractedprism.checks.ticker import Ticker
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.config.table import Config
@@ -56,6 +61,7 @@ from extractedprism.upstreams.actions import AdminActions
 from extractedprism.upstreams.effects import Change
 from extractedprism.upstreams.rebalancer import Rebalancer
 from extractedprism.upstreams.registry import Registry
+from extractedprism.upstreams.sampler import Sampler
 
 if TYPE_CHECKING:
     from extractedprism.discovery.watch import KubernetesProvider
@@ -72,7 +78,7 @@ class App:
     def __init__(self, config: Config, *, metrics: Metrics | None = None,
                  stop: threading.Event | None = None, sa_dir: str | None = None,
                  rng: random.Random | None = None,
-                 prober: Prober = probe, relay: Relay | None = None) -> None:
+                 prober: Prober | None = None, relay: Relay | None = None) -> None:
         self.config = config
         self.stop_event = stop or threading.Event()
         self.metrics = metrics or Metrics()
@@ -88,6 +94,7 @@ class App:
             rebalance_interval=config.rebalance_interval,
             rebalance_quiet=config.rebalance_quiet,
             slow_start=config.slow_start,
+            stall_timeout=config.stall_timeout,
         )
         self.metrics.attach_state(self.registry.snapshot)
         self.started_wall = time.time()
@@ -102,10 +109,17 @@ class App:
                 key_file=config.health_check_key_file,
                 token_file=config.health_check_token_file,
             )
+        # The probes' kept-alive readyz connections, owned by the ticker (unless a test
+        # hands in a prober of its own).
+        self.probe_connections = ProbeConnections() if prober is None else None
+        if self.probe_connections is not None and readyz is not None:
+            self.metrics.attach_probe_connections(self.probe_connections.opened)
         self.ticker = Ticker(self.registry, interval=config.health_interval,
                              timeout=config.health_timeout, recheck=config.health_recheck,
-                             readyz=readyz,
-                             stop=self.stop_event, prober=prober,
+                             readyz=readyz, stop=self.stop_event,
+                             prober=(prober if self.probe_connections is None
+                                     else self.probe_connections.probe),
+                             connections=self.probe_connections,
                              max_wait=min(config.liveness_interval, config.health_interval))
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
@@ -116,12 +130,17 @@ class App:
                            dial_hedge_delay=config.dial_hedge_delay,
                            answer_hedge_delay=config.answer_hedge_delay,
                            on_accept_loop=self._accept_turned)
-        # --rebalance-interval: its own thread, only when on (upstreams/rebalancer.py).
+        # --rebalance-interval: rounds on the conn-sampler thread (upstreams/rebalancer.py).
         self.rebalancer = (Rebalancer(self.registry, interval=config.rebalance_interval,
-                                      quiet=config.rebalance_quiet, stop=self.stop_event,
+                                      quiet=config.rebalance_quiet,
                                       # its own draws: the registry's picks stay as seeded
                                       rng=random.Random(rng.random()) if rng else None)
                            if config.rebalance_interval > 0 else None)
+        # The conn-sampler thread reads the relays' byte counters for rebalancing and the
+        # stall check; only when one of them is on (upstreams/sampler.py).
+        self.sampler = (Sampler(self.registry, stall_timeout=config.stall_timeout,
+                                rebalancer=self.rebalancer, stop=self.stop_event)
+                        if self.rebalancer is not None or config.stall_timeout > 0 else None)
         self.heartbeat = Heartbeat(lock_free=functools.partial(lock_free, self.registry.lock),
                                    acceptor=self.proxy, ticker=self.ticker,
                                    interval=config.liveness_interval,
@@ -286,8 +305,8 @@ class App:
         if cfg.enable_discovery:
             self._start_discovery()
         self.ticker.start()
-        if self.rebalancer is not None:
-            self.rebalancer.start()
+        if self.sampler is not None:
+            self.sampler.start()
         self.proxy.start()
         self.heartbeat.start()
         self.health.start()
@@ -347,9 +366,7 @@ class App:
         if not cfg.state_file:
             return
         if not cfg.enable_discovery:
-            log.warning("state file not used: discovery is off flag=--state-file path=%s",
-                        cfg.state_file)
-            return
+            return  # the command line warned: config.table.UNUSED
         cached = statefile.read(cfg.state_file)
         if cached:
             self._cache_in_use = True
@@ -439,8 +456,8 @@ class App:
         if self.discovery is not None:
             ok &= bool(self.discovery.stop_and_join(left()))
         ok &= self.ticker.join(left())
-        if self.rebalancer is not None:
-            ok &= self.rebalancer.join(left())
+        if self.sampler is not None:
+            ok &= self.sampler.join(left())
         if self._state_writer is not None:
             ok &= self._state_writer.join(left())
         self.heartbeat.join(min(HEARTBEAT_JOIN_S, left()))

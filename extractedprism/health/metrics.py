@@ -11,13 +11,15 @@ by merge.py and watch.py where the event happens. Metric objects live on an inje
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from extractedprism.upstreams.activity import STALL_CHECK_RESULTS
 
 if TYPE_CHECKING:
     from extractedprism.upstreams.snapshot import Snapshot, UpstreamView
@@ -53,6 +55,11 @@ class Metrics:
         """Serve the gauges from ``snapshot()`` at every scrape."""
         self._collector = StateCollector(snapshot)
         self.registry.register(self._collector)
+
+    def attach_probe_connections(self, opened: Callable[[], Mapping[str, int]]) -> None:
+        """Serve ``extractedprism_readyz_connections_total`` from ``opened()`` (new TLS
+        connections the readyz probes opened, per upstream) at every scrape."""
+        self.registry.register(ProbeConnectionsCollector(opened))
 
 
 PerUpstream = Callable[["Snapshot", "UpstreamView"], "float | None"]
@@ -163,6 +170,19 @@ class StateCollector(Collector):
             for u in snap.upstreams:
                 closes.add_metric([u.address], u.rebalance_closes)
             yield closes
+        if snap.stall_timeout > 0:
+            stalls = CounterMetricFamily(
+                PREFIX + "stall_checks_total",
+                "Health checks a stalled connection asked for (its client sent bytes and "
+                "the upstream sent nothing back for --stall-timeout), by upstream and "
+                "result: failed or passed (--stall-timeout only)",
+                labels=["upstream", "result"],
+            )
+            for u in snap.upstreams:
+                done = dict(u.stall_checks)
+                for result in STALL_CHECK_RESULTS:
+                    stalls.add_metric([u.address, result], done.get(result, 0))
+            yield stalls
         yield dials
         for name, doc, value in GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value(snap))
@@ -173,3 +193,27 @@ class StateCollector(Collector):
                 if v is not None:
                     family.add_metric([u.address], v)
             yield family
+
+
+class ProbeConnectionsCollector(Collector):
+    """``extractedprism_readyz_connections_total{upstream}``: with keep-alive, a count
+    that grows much slower than the number of probes; the series of an upstream goes
+    with its kept connection when the upstream is removed."""
+
+    def __init__(self, opened: Callable[[], Mapping[str, int]]) -> None:
+        self._opened = opened
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            PREFIX + "readyz_connections_total",
+            "New TLS connections opened by the readyz probes, per upstream (each probe "
+            "reuses the upstream's kept-alive connection while it stays open; --health-check="
+            "readyz only)",
+            labels=["upstream"],
+        )
+        for addr, n in sorted(self._opened().items()):
+            family.add_metric([addr], n)
+        yield family
