@@ -2,14 +2,17 @@
 and keys, tokens, a kubeconfig): the rule, in one place.
 
 :class:`Reloaded` holds a value made from files (an ``ssl.SSLContext``, a token, a
-parsed kubeconfig) and the identity of every file it was made from: device, inode,
-size, mtime and ctime, taken by ``stat`` just before each read. :meth:`Reloaded.get`
-stats those files again (a few microseconds each, no read) and makes the value again
-when any of them differs, is gone, or was never read. That catches every way a file is
-rotated: rewritten in place (size, mtime, ctime), replaced by a rename (inode), and the
-kubelet's atomic writer, which swaps a ``..data`` symlink (``stat`` follows it: a new
-inode). A file that changes between its stat and its read is seen changed on the next
-``get``, never missed.
+parsed kubeconfig) and the state of every file it was made from: its identity (device,
+inode, size, mtime, ctime, taken by ``stat`` just before the read) and a digest of its
+content. :meth:`Reloaded.get` reads those files again (a few KiB each: the discovery
+watcher does so once per request) and makes the value again when any of them differs,
+is gone, or was never read. That catches every way a file is rotated: rewritten in
+place (also within one timestamp tick and at the same size: the content differs),
+replaced by a rename (inode), and the kubelet's atomic writer, which swaps a ``..data``
+symlink (``stat`` follows it: a new inode). A file that changes between its stat and
+its read is seen changed on the next ``get``, never missed. :func:`fingerprint` is the
+same comparison for a caller that keeps its own made thing (the readyz probe's kept
+TLS connection: replaced when the fingerprint of its CA and credentials changes).
 
 Only regular files are opened, so a FIFO or a device named by mistake cannot block the
 caller (an ``open`` of a FIFO waits for a writer). A problem is a :class:`FileProblem`
@@ -21,9 +24,10 @@ Not thread-safe: each user (the discovery watcher; a probe's settings) owns its 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Generic, NamedTuple, TypeVar
 
 from extractedprism.errors import Error
@@ -62,29 +66,47 @@ def identity(path: str, what: str) -> Identity:
     return Identity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def _read(path: str, what: str, limit: int) -> tuple[tuple[Identity, bytes], bytes]:
+    """((identity, content digest), content) of a regular file, at most ``limit`` bytes."""
+    ident = identity(path, what)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limit + 1)
+    except FileNotFoundError:
+        raise FileProblem(f"{what} missing: {path}") from None
+    except OSError as exc:
+        raise FileProblem(f"{what} unreadable: {path}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise FileProblem(f"{what} unusable: {path}: larger than {limit // 1024} KiB")
+    return (ident, hashlib.sha256(data).digest()), data
+
+
+def fingerprint(files: Iterable[tuple[str, str]]) -> bytes:
+    """A digest of the files ``(path, what)`` as they are now (identity and content):
+    equal fingerprints, unchanged files. Raises :class:`FileProblem` naming the first
+    file that is missing or unusable."""
+    h = hashlib.sha256()
+    for path, what in files:
+        (ident, digest), _ = _read(path, what, MAX_BYTES)
+        h.update(f"{path}\0{tuple(ident)}\0".encode())
+        h.update(digest)
+    return h.digest()
+
+
 class Reads:
     """What one making of a value read: hands out the files' contents (or checked
-    paths, for APIs that take a path) and remembers each file's identity."""
+    paths, for APIs that take a path) and remembers each file's state."""
 
     def __init__(self) -> None:
-        self.seen: dict[str, Identity] = {}
+        self.seen: dict[str, tuple[Identity, bytes]] = {}
 
     def path(self, path: str, what: str) -> str:
         """``path`` checked and remembered, for a loader that opens it itself."""
-        self.seen[path] = identity(path, what)
+        self.seen[path], _ = _read(path, what, MAX_BYTES)
         return path
 
     def read(self, path: str, what: str, limit: int = MAX_BYTES) -> bytes:
-        self.seen[path] = identity(path, what)
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read(limit + 1)
-        except FileNotFoundError:
-            raise FileProblem(f"{what} missing: {path}") from None
-        except OSError as exc:
-            raise FileProblem(f"{what} unreadable: {path}: {exc.strerror or exc}") from None
-        if len(data) > limit:
-            raise FileProblem(f"{what} unusable: {path}: larger than {limit // 1024} KiB")
+        self.seen[path], data = _read(path, what, limit)
         return data
 
 
@@ -99,7 +121,7 @@ class Reloaded(Generic[T]):
     def __init__(self, make: Callable[[Reads], T]) -> None:
         self._make = make
         self._value: T | None = None
-        self._seen: dict[str, Identity] = {}
+        self._seen: dict[str, tuple[Identity, bytes]] = {}
         self.generation = 0
 
     def changed(self) -> bool:
@@ -107,7 +129,7 @@ class Reloaded(Generic[T]):
             return True
         for path, was in self._seen.items():
             try:
-                if identity(path, "file") != was:
+                if _read(path, "file", MAX_BYTES)[0] != was:
                     return True
             except FileProblem:
                 return True

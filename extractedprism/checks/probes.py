@@ -34,17 +34,16 @@ import contextlib
 import errno
 import hashlib
 import logging
-import os
 import re
 import select
 import socket
 import ssl
-import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
+from extractedprism import files
 from extractedprism.config.endpoints import Endpoint, is_ip
 from extractedprism.errors import Error
 from extractedprism.upstreams.state import ProbeResult
@@ -348,18 +347,13 @@ def _check_file(path: str, what: str) -> None:
     OpenSSL only says "No such file or directory" without naming the file, so the
     reason must come from here to name the right one of cert and key. It also keeps a
     FIFO or device (``/dev/zero``) from ever being opened: that open or read would
-    block the probe thread forever, past any deadline.
+    block the probe thread forever, past any deadline. (The rule is files.identity's,
+    shared with discovery.)
     """
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise _ProbeFailed(f"{what} missing: {path}") from None
-    except OSError as exc:
-        raise _ProbeFailed(f"{what} unreadable: {path}: {_short(exc)}") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise _ProbeFailed(f"{what} unusable: {path}: is a directory")
-    if not stat.S_ISREG(st.st_mode):
-        raise _ProbeFailed(f"{what} unusable: {path}: not a regular file")
+        files.identity(path, what)
+    except files.FileProblem as exc:
+        raise _ProbeFailed(str(exc)) from None
 
 
 def ca_file_problem(path: str) -> str:
@@ -599,28 +593,19 @@ def _readyz_kept(endpoint: Endpoint, sock: socket.socket, settings: ReadyzSettin
 
 
 def _files_digest(settings: ReadyzSettings) -> bytes:
-    """A digest of the CA bundle, client certificate and key as they are now: a kept
-    connection made with other contents is replaced. Read in full every probe (a few KiB),
-    so a rewrite within one mtime tick is seen too."""
-    h = hashlib.sha256()
-    files = [(settings.ca_file, "CA file")]
+    """A fingerprint of the CA bundle, client certificate and key as they are now
+    (files.fingerprint, the rule discovery's credentials follow too): a kept connection
+    made with other contents is replaced. Read in full every probe (a few KiB), so a
+    rewrite within one mtime tick is seen too."""
+    names = [(settings.ca_file, "CA file")]
     if settings.cert_file:
-        files.append((settings.cert_file, "client certificate"))
+        names.append((settings.cert_file, "client certificate"))
         if settings.key_file and settings.key_file != settings.cert_file:
-            files.append((settings.key_file, "client key"))
-    for path, what in files:
-        _check_file(path, what)
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read(_MAX_DIAGNOSE_BYTES + 1)
-                st = os.fstat(fh.fileno())
-        except FileNotFoundError:
-            raise _ProbeFailed(f"{what} missing: {path}") from None
-        except OSError as exc:
-            raise _ProbeFailed(f"{what} unreadable: {path}: {_short(exc)}") from None
-        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-        h.update(hashlib.sha256(data).digest())
-    return h.digest()
+            names.append((settings.key_file, "client key"))
+    try:
+        return files.fingerprint(names)
+    except files.FileProblem as exc:
+        raise _ProbeFailed(str(exc)) from None
 
 
 class _Stale(Exception):

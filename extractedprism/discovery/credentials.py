@@ -39,7 +39,7 @@ import ipaddress
 import os
 import ssl
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -245,7 +245,8 @@ def _target(doc: dict[str, Any], path: str, reads: Reads) -> Target:
         if not value:
             return None
         try:
-            return base64.b64decode(str(value), validate=True)
+            # Line breaks and spaces are skipped, as Go's base64 decoder skips them.
+            return base64.b64decode("".join(str(value).split()), validate=True)
         except (binascii.Error, ValueError):
             raise KubeconfigError(f"{where}: {key} is not base64") from None
 
@@ -355,11 +356,8 @@ def _pem_path(data: bytes | None, path: str, what: str, reads: Reads) -> Iterato
     if data is None:
         yield reads.path(path, what)
         return
-    make: Callable[[], int] | None = getattr(os, "memfd_create", None) and (
-        lambda: os.memfd_create(what, os.MFD_CLOEXEC))
-    fd = -1
-    if make is not None and os.path.isdir("/proc/self/fd"):
-        fd = make()
+    if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+        fd = os.memfd_create(what, os.MFD_CLOEXEC)
         named = f"/proc/self/fd/{fd}"
     else:
         fd, named = tempfile.mkstemp(prefix="extractedprism-")

@@ -119,3 +119,20 @@ def test_each_module_imports_alone() -> None:
         if proc.returncode != 0:
             failed[m] = err.strip().splitlines()[-1:]
     assert not failed, failed
+
+
+def test_no_select_select_in_the_product() -> None:
+    """select() refuses any descriptor >= 1024 (FD_SETSIZE), and the proxy holds
+    thousands: poll, selectors or the socket's own timeout instead (issue 29)."""
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "select" \
+                    and isinstance(node.value, ast.Name) and node.value.id == "select":
+                found.append(f"{module}:{node.lineno}")
+            if isinstance(node, ast.ImportFrom) and node.module == "select" \
+                    and any(a.name == "select" for a in node.names):
+                found.append(f"{module}:{node.lineno}")
+            if isinstance(node, ast.Attribute) and node.attr == "SelectSelector":
+                found.append(f"{module}:{node.lineno}")
+    assert not found, found
