@@ -61,6 +61,7 @@ from extractedprism.upstreams.actions import AdminActions
 from extractedprism.upstreams.effects import Change
 from extractedprism.upstreams.rebalancer import Rebalancer
 from extractedprism.upstreams.registry import Registry
+from extractedprism.upstreams.sampler import Sampler
 
 if TYPE_CHECKING:
     from extractedprism.discovery.watch import KubernetesProvider
@@ -93,6 +94,7 @@ class App:
             rebalance_interval=config.rebalance_interval,
             rebalance_quiet=config.rebalance_quiet,
             slow_start=config.slow_start,
+            stall_timeout=config.stall_timeout,
         )
         self.metrics.attach_state(self.registry.snapshot)
         self.started_wall = time.time()
@@ -128,12 +130,17 @@ class App:
                            dial_hedge_delay=config.dial_hedge_delay,
                            answer_hedge_delay=config.answer_hedge_delay,
                            on_accept_loop=self._accept_turned)
-        # --rebalance-interval: its own thread, only when on (upstreams/rebalancer.py).
+        # --rebalance-interval: rounds on the conn-sampler thread (upstreams/rebalancer.py).
         self.rebalancer = (Rebalancer(self.registry, interval=config.rebalance_interval,
-                                      quiet=config.rebalance_quiet, stop=self.stop_event,
+                                      quiet=config.rebalance_quiet,
                                       # its own draws: the registry's picks stay as seeded
                                       rng=random.Random(rng.random()) if rng else None)
                            if config.rebalance_interval > 0 else None)
+        # The conn-sampler thread reads the relays' byte counters for rebalancing and the
+        # stall check; only when one of them is on (upstreams/sampler.py).
+        self.sampler = (Sampler(self.registry, stall_timeout=config.stall_timeout,
+                                rebalancer=self.rebalancer, stop=self.stop_event)
+                        if self.rebalancer is not None or config.stall_timeout > 0 else None)
         self.heartbeat = Heartbeat(lock_free=functools.partial(lock_free, self.registry.lock),
                                    acceptor=self.proxy, ticker=self.ticker,
                                    interval=config.liveness_interval,
@@ -177,6 +184,8 @@ class App:
 
     def start(self) -> None:
         cfg = self.config
+        if cfg.enable_discovery and cfg.kubeconfig:
+            self._check_kubeconfig()  # before anything is bound or taken over
         received = handover.receive(cfg.handover_socket) if cfg.handover_socket else None
         try:
             taken = self._open_listeners(received)
@@ -296,8 +305,8 @@ class App:
         if cfg.enable_discovery:
             self._start_discovery()
         self.ticker.start()
-        if self.rebalancer is not None:
-            self.rebalancer.start()
+        if self.sampler is not None:
+            self.sampler.start()
         self.proxy.start()
         self.heartbeat.start()
         self.health.start()
@@ -312,9 +321,21 @@ class App:
                  ",".join(str(e) for e in cfg.endpoints), cfg.upstream_selection,
                  cfg.health_check, cfg.enable_discovery, self.relay)
 
+    def _check_kubeconfig(self) -> None:
+        """A missing or malformed ``--kubeconfig`` stops the start (KubeconfigError:
+        one line naming the file and what is wrong, exit 2); a file it names that is
+        not there yet only warns (discovery fails, naming it, until it is)."""
+        from extractedprism.discovery.credentials import check_kubeconfig
+
+        problem = check_kubeconfig(self.config.kubeconfig)
+        if problem:
+            log.warning("kubeconfig refers to a file that is not usable yet path=%s "
+                        "error=%s; discovery fails until it is", self.config.kubeconfig,
+                        problem)
+
     def _start_discovery(self) -> None:
-        # Imported here: the kubernetes client takes ~0.5 s to import, which static-only
-        # runs (and every in-process test) need not pay.
+        # Imported here: static-only runs need none of discovery's modules (ssl contexts,
+        # yaml with a kubeconfig).
         from extractedprism.discovery.watch import KubernetesProvider
 
         provider = "kubernetes"
@@ -345,9 +366,7 @@ class App:
         if not cfg.state_file:
             return
         if not cfg.enable_discovery:
-            log.warning("state file not used: discovery is off flag=--state-file path=%s",
-                        cfg.state_file)
-            return
+            return  # the command line warned: config.table.UNUSED
         cached = statefile.read(cfg.state_file)
         if cached:
             self._cache_in_use = True
@@ -437,8 +456,8 @@ class App:
         if self.discovery is not None:
             ok &= bool(self.discovery.stop_and_join(left()))
         ok &= self.ticker.join(left())
-        if self.rebalancer is not None:
-            ok &= self.rebalancer.join(left())
+        if self.sampler is not None:
+            ok &= self.sampler.join(left())
         if self._state_writer is not None:
             ok &= self._state_writer.join(left())
         self.heartbeat.join(min(HEARTBEAT_JOIN_S, left()))

@@ -21,7 +21,7 @@ from tests.fakes.upstream import EchoServer, IdentityServer
 
 PRODUCT_THREAD_PREFIXES = ("acceptor", "ticker", "pipe-", "probe-", "watcher", "heartbeat",
                            "log-writer", "handover", "state-file",
-                           "health-http", "admin-", "dial-", "rebalancer")
+                           "health-http", "admin-", "dial-", "conn-sampler")
 
 
 def _product_threads() -> set[threading.Thread]:

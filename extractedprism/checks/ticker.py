@@ -4,7 +4,10 @@ Each known, non-draining upstream is probed every --health-interval; a new upstr
 probed at once. After a check that leaves an upstream one failure short of exclusion (the
 registry says so), the confirming check starts --health-recheck after the failed one
 started instead (HAProxy's ``fastinter``; the default, equal to the interval, is the
-spec's timing), or as soon as the failed one ends if that took longer. Probes run on
+spec's timing), or as soon as the failed one ends if that took longer. A stall
+(``--stall-timeout``; the registry decides, at most once per upstream per stall timeout)
+makes the upstream's next check run now, tagged so the registry counts its result as a
+stall check (:meth:`stall_check`); otherwise it is an ordinary check. Probes run on
 their own short-lived ``probe-<upstream>`` threads, so a
 slow or silent upstream delays nobody else's check by more than its own timeout, and
 the ticker itself never blocks on a socket. Drain and readiness deadlines are expired
@@ -80,6 +83,7 @@ class Ticker:
         self._next: dict[str, float] = {}
         self._phased: set[str] = set()  # upstreams past their first check (guarded by _lock)
         self._in_flight: dict[str, threading.Thread] = {}
+        self._stall_due: set[str] = set()  # the next check of these is a stall check
         self._thread: threading.Thread | None = None
         self.last_loop = clock()
 
@@ -98,6 +102,8 @@ class Ticker:
         or a failed dial to confirm after --health-recheck."""
         if change.what == "probe-now":
             self.probe_now(change.address)
+        elif change.what == "stall-check":
+            self.stall_check(change.address)
         elif change.what == "recheck":
             self._recheck_soon(change.address)
         else:
@@ -107,6 +113,14 @@ class Ticker:
         """Schedule an immediate probe of ``address`` (readiness reset after a dial)."""
         with self._lock:
             self._next[address] = 0.0
+        self._wake.set()
+
+    def stall_check(self, address: str) -> None:
+        """A stall made ``address`` suspect: its next check starts now (after the one in
+        flight, if any, ends: that one started before the stall was seen)."""
+        with self._lock:
+            self._next[address] = 0.0
+            self._stall_due.add(address)
         self._wake.set()
 
     def _recheck_soon(self, address: str) -> None:
@@ -157,9 +171,12 @@ class Ticker:
                     due.append(ep)
                     self._next[addr] = now + self._gap(addr)
             for ep in due:
+                stall = str(ep) in self._stall_due
+                self._stall_due.discard(str(ep))
                 t = threading.Thread(name=f"probe-{ep}", target=self._probe_one,
-                                     args=(ep, now), daemon=True)
+                                     args=(ep, now, stall), daemon=True)
                 self._in_flight[str(ep)] = t
+            self._stall_due &= self._next.keys()  # gone from the targets: nothing to tag
             pending = [at for a, at in self._next.items() if a not in self._in_flight]
         for ep in due:
             self._in_flight[str(ep)].start()
@@ -170,13 +187,13 @@ class Ticker:
         self._phased.add(addr)
         return next_gap(self._interval, self._rng, first=first, jitter=self._jitter)
 
-    def _probe_one(self, ep: Endpoint, started: float) -> None:
+    def _probe_one(self, ep: Endpoint, started: float, stall: bool = False) -> None:
         addr = str(ep)
         confirm = False
         try:
             result = self._prober(ep, self._timeout, self._readyz)
             if not self._stop.is_set():
-                confirm = self._registry.record_probe(addr, result)
+                confirm = self._registry.record_probe(addr, result, stall=stall)
         except Exception:
             log.exception("probe crashed upstream=%s", addr)
         finally:

@@ -10,8 +10,11 @@
  *   pipes     (up_r, up_w, down_r, down_w): the calling thread's two non-blocking
  *             kernel pipes, reused across its connections; bytes go socket -> pipe ->
  *             socket with splice(), never through user space.
- *   counters  a writable buffer of two aligned uint64 (bytes client->upstream,
- *             upstream->client), updated live so other threads can read them.
+ *   counters  a writable buffer of two or three aligned uint64 (bytes client->upstream,
+ *             upstream->client, and, when there is a third, the client->upstream count
+ *             at the upstream's latest read: what the upstream's bytes answer), updated
+ *             live so other threads can read them (the stall check, upstreams/activity.py,
+ *             reads the third; one store per read, none per byte).
  *   pin       the CPU + 1 the calling thread is pinned to (--gil-cpu), or 0: see
  *             UNPIN_AFTER below.
  *
@@ -107,6 +110,8 @@ struct half {
     int *first_eof;       /* shared by both directions */
     size_t chunk;         /* bytes per splice: the pipe's capacity */
     int grown;            /* 1 grown to BIG_PIPE, -1 the kernel refused, 0 not yet */
+    uint64_t *answered;   /* the upstream's half: the client count at its latest read */
+    const uint64_t *asked; /* ... which is the other half's counter (NULL: not kept) */
 };
 
 static int set_nonblocking(int fd) {
@@ -163,6 +168,7 @@ static int pump(struct half *h) {
         }
         h->pending = (size_t)n;
         __atomic_store_n(h->count, *h->count + (uint64_t)n, __ATOMIC_RELAXED);
+        if (h->answered) __atomic_store_n(h->answered, *h->asked, __ATOMIC_RELAXED);
         int err = flush(h);
         if (err) return err;
         if ((size_t)n < h->chunk) break; /* a short read: src is (almost surely) empty */
@@ -240,12 +246,16 @@ static int setup(struct half h[2], int cfd, int ufd, const int p[4], Py_buffer *
     if (counters->len < (Py_ssize_t)(2 * sizeof(uint64_t)) ||
         (uintptr_t)counters->buf % _Alignof(uint64_t) || pin < 0 || pin > CPU_SETSIZE) {
         PyBuffer_Release(counters);
-        PyErr_SetString(PyExc_ValueError, "counters must be 16 aligned bytes, pin a CPU + 1");
+        PyErr_SetString(PyExc_ValueError,
+                        "counters must be 16 or 24 aligned bytes, pin a CPU + 1");
         return -1;
     }
     uint64_t *count = counters->buf;
-    struct half up = {cfd, ufd, p[0], p[1], 0, 0, 0, &count[0], 1, first_eof, CHUNK, 0};
-    struct half down = {ufd, cfd, p[2], p[3], 0, 0, 0, &count[1], 2, first_eof, CHUNK, 0};
+    int third = counters->len >= (Py_ssize_t)(3 * sizeof(uint64_t));
+    struct half up = {cfd, ufd, p[0], p[1], 0, 0, 0, &count[0], 1, first_eof, CHUNK, 0,
+                      NULL, NULL};
+    struct half down = {ufd, cfd, p[2], p[3], 0, 0, 0, &count[1], 2, first_eof, CHUNK, 0,
+                        third ? &count[2] : NULL, third ? &count[0] : NULL};
     h[0] = up;
     h[1] = down;
     return 0;
@@ -356,6 +366,12 @@ static int64_t now_ms(void) {
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
+/* A millisecond timeout from Python, held to what poll() takes: negative -> 0, more than
+ * an int -> INT_MAX (about 596 hours), never an OverflowError on every connection. */
+static int clamp_ms(long long ms) {
+    return ms < 0 ? 0 : ms > INT_MAX ? INT_MAX : (int)ms;
+}
+
 #define FIRST_MAX (16 * 1024) /* a TLS ClientHello is one record */
 
 /* What the first answer found (first_answer_nogil; proxy.py's first_answer.py says why). */
@@ -452,13 +468,15 @@ static PyObject *py_is_client_hello(PyObject *self, PyObject *args) {
 
 static PyObject *first_answer(PyObject *self, PyObject *args) {
     (void)self;
-    int cfd, ufd, timeout_ms;
+    int cfd, ufd;
+    long long timeout;
     Py_ssize_t sent = 0;
     PyObject *first;
-    if (!PyArg_ParseTuple(args, "iiiO|n:first_answer", &cfd, &ufd, &timeout_ms, &first,
+    if (!PyArg_ParseTuple(args, "iiLO|n:first_answer", &cfd, &ufd, &timeout, &first,
                           &sent) ||
         check_first(first, sent) < 0)
         return NULL;
+    int timeout_ms = clamp_ms(timeout);
     int have = first != Py_None;
     char *owned = NULL, *buf = first_buffer(first, &owned);
     if (buf == NULL) return PyErr_NoMemory();
@@ -504,15 +522,17 @@ static PyObject *take_first_fds(int cfd, int ufd) {
 
 static PyObject *judged_relay(PyObject *self, PyObject *args) {
     (void)self;
-    int cfd, ufd, p[4], timeout_ms, pin = 0, first_eof = 0;
+    int cfd, ufd, p[4], pin = 0, first_eof = 0;
+    long long timeout;
     Py_ssize_t sent = 0;
     Py_buffer counters;
     PyObject *first;
     struct half h[2];
-    if (!PyArg_ParseTuple(args, "ii(iiii)w*iO|in:judged_relay", &cfd, &ufd, &p[0], &p[1],
-                          &p[2], &p[3], &counters, &timeout_ms, &first, &pin, &sent) ||
+    if (!PyArg_ParseTuple(args, "ii(iiii)w*LO|in:judged_relay", &cfd, &ufd, &p[0], &p[1],
+                          &p[2], &p[3], &counters, &timeout, &first, &pin, &sent) ||
         setup(h, cfd, ufd, p, &counters, pin, &first_eof) < 0)
         return NULL;
+    int timeout_ms = clamp_ms(timeout);
     if (check_first(first, sent) < 0) {
         PyBuffer_Release(&counters);
         return NULL;

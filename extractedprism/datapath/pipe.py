@@ -162,9 +162,11 @@ class Pipe:
         self.client = client_addr
         self.upstream = upstream_addr
         self.started = time.time()
-        # Live byte counts (client->upstream, upstream->client): the native relay writes
-        # them while it runs, without the GIL, so readers see live bytes either way.
-        self._counts = array("Q", (0, 0))
+        # Live byte counts (client->upstream, upstream->client, and the client->upstream
+        # count when the upstream's bytes were last read: what they answer, for the stall
+        # check): the native relay writes them while it runs, without the GIL, so readers
+        # see live bytes either way. Updated once per read, never per byte.
+        self._counts = array("Q", (0, 0, 0))
         self._closed = False
         self._graceful = False  # finish(): no reset when the pipe thread closes
         # Who ended the connection and why (the debug "connection closed" line): the
@@ -189,6 +191,11 @@ class Pipe:
     @property
     def bytes_down(self) -> int:
         return self._counts[1]
+
+    @property
+    def up_answered(self) -> int:
+        """The client->upstream count when the upstream's latest bytes were read."""
+        return self._counts[2]
 
     # -- called from other threads -------------------------------------------------
 
@@ -412,7 +419,12 @@ class Pipe:
                     self.ended_by, self.end_reason = ("client" if h.up else "upstream"), "eof"
                 self._pass_eof(h)
                 return True
-            self._counts[0 if h.up else 1] += n
+            counts = self._counts
+            if h.up:
+                counts[0] += n
+            else:
+                counts[1] += n
+                counts[2] = counts[0]  # what the upstream's bytes answer (stall check)
             if (h.pending and not self._flush(h)) or h.tail:
                 return True  # dst is full: wait for POLLOUT
             if not full:

@@ -15,19 +15,25 @@ endpoints only, as before),
 (when its remaining connections are closed, whenever that is scheduled), ``ready``,
 ``readiness``, ``ready_reason``, ``failures`` (current consecutive-failure streak),
 ``last_check_at``, ``last_check_error``, ``last_error_source`` (``probe`` or ``dial``),
-``tier``, ``rtt_seconds``, ``active_connections``, ``total_connections``, ``bytes_up``
+``tier``, ``rtt_seconds``, ``active_connections``, ``total_connections``,
+``dials_in_flight`` (reservations held: picked, dial not yet attached or released), ``bytes_up``
 (client to upstream), ``bytes_down``, ``answer_hedges`` (``won``/``lost``/``silent``:
 connections whose first answer was hedged, as extractedprism_answer_hedges_total),
 ``admin`` (the operator's action, its uid and time, or null); ``connection_share`` (its
 part of all live connections, 0 to 1), ``fair_share`` (the connections it should hold by
 weight, while rebalancing or slow start is on and it is pickable, else null), ``weight``
-(slow start's, 0.1 to 1; null when ``--slow-start`` is 0) and ``rebalance_closes``.
+(slow start's, 0.1 to 1; null when ``--slow-start`` is 0) and ``rebalance_closes``; the
+stall check's ``stalls`` (stalls seen on its connections, one per unanswered stretch of a
+connection), ``stalled_connections`` (its live connections stalled at the last sample)
+and ``stall_checks`` (``failed``/``passed``: the checks stalls asked for, as
+extractedprism_stall_checks_total), all three null when ``--stall-timeout`` is 0.
 
 Top level, ``rebalance``: ``enabled``, and while on ``interval_seconds``,
 ``quiet_seconds``, ``rounds``, ``closes``, ``last_round_at``, ``last_acted_at`` (the
 last round that closed a connection), ``last_result`` (``acted`` or why the last round
 did not act: ``no skew``, ``nothing quiet``, ``an upstream is draining``, ...) and
-``last_detail`` (the upstream that blocked it, or what was closed).
+``last_detail`` (the upstream that blocked it, or what was closed). ``stall_check``:
+``enabled``, and while on ``timeout_seconds`` (``--stall-timeout``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from extractedprism.discovery.status import DiscoveryView
+from extractedprism.upstreams.activity import STALL_CHECK_RESULTS
 
 if TYPE_CHECKING:
     from extractedprism.upstreams.snapshot import Snapshot, UpstreamView
@@ -93,6 +100,7 @@ def upstream_entry(u: UpstreamView, wall: _Clock, live: int = 0) -> dict[str, An
         "rtt_seconds": u.rtt_seconds,
         "active_connections": u.active_connections,
         "total_connections": u.total_connections,
+        "dials_in_flight": u.dials_in_flight,
         "bytes_up": u.bytes_up,
         "bytes_down": u.bytes_down,
         "answer_hedges": {o: dict(u.answer_hedges).get(o, 0) for o in ("won", "lost", "silent")},
@@ -101,6 +109,10 @@ def upstream_entry(u: UpstreamView, wall: _Clock, live: int = 0) -> dict[str, An
         "fair_share": None if u.fair_share is None else round(u.fair_share, 2),
         "weight": None if u.weight is None else round(u.weight, 3),
         "rebalance_closes": u.rebalance_closes,
+        "stalls": u.stalls,
+        "stalled_connections": u.stalled_connections,
+        "stall_checks": None if u.stalls is None else {
+            r: dict(u.stall_checks).get(r, 0) for r in STALL_CHECK_RESULTS},
     }
 
 
@@ -112,6 +124,12 @@ def rebalance_entry(snap: Snapshot, wall: _Clock) -> dict[str, Any]:
             "rounds": r.rounds, "closes": r.closes, "last_round_at": wall(r.last_round_at),
             "last_acted_at": wall(r.last_acted_at), "last_result": r.last_reason or None,
             "last_detail": r.last_detail or None}
+
+
+def stall_entry(snap: Snapshot) -> dict[str, Any]:
+    if snap.stall_timeout <= 0:
+        return {"enabled": False}
+    return {"enabled": True, "timeout_seconds": snap.stall_timeout}
 
 
 def discovery_entry(d: DiscoveryView | None) -> dict[str, Any]:
@@ -133,6 +151,7 @@ def upstreams_document(snap: Snapshot, info: ProcessInfo) -> dict[str, Any]:
         "max_connections": snap.max_connections,
         "discovery": discovery_entry(info.discovery),
         "rebalance": rebalance_entry(snap, wall),
+        "stall_check": stall_entry(snap),
         "upstreams": [upstream_entry(u, wall, snap.connections_active)
                       for u in snap.upstreams],
     }

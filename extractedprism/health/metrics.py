@@ -19,6 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from extractedprism.upstreams.activity import STALL_CHECK_RESULTS
+
 if TYPE_CHECKING:
     from extractedprism.upstreams.snapshot import Snapshot, UpstreamView
 
@@ -168,6 +170,19 @@ class StateCollector(Collector):
             for u in snap.upstreams:
                 closes.add_metric([u.address], u.rebalance_closes)
             yield closes
+        if snap.stall_timeout > 0:
+            stalls = CounterMetricFamily(
+                PREFIX + "stall_checks_total",
+                "Health checks a stalled connection asked for (its client sent bytes and "
+                "the upstream sent nothing back for --stall-timeout), by upstream and "
+                "result: failed or passed (--stall-timeout only)",
+                labels=["upstream", "result"],
+            )
+            for u in snap.upstreams:
+                done = dict(u.stall_checks)
+                for result in STALL_CHECK_RESULTS:
+                    stalls.add_metric([u.address, result], done.get(result, 0))
+            yield stalls
         yield dials
         for name, doc, value in GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value(snap))

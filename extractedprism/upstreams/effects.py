@@ -32,7 +32,8 @@ class Change:
     """What the registry tells its one listener (the ticker) after releasing the lock."""
 
     # "endpoints" (list changed) | "health" (a dial flipped it) | "probe-now" |
-    # "recheck" (a failed dial left it one failure short of exclusion: confirm soon)
+    # "recheck" (a failed dial left it one failure short of exclusion: confirm soon) |
+    # "stall-check" (a stall made it suspect: check it now, counted as a stall check)
     what: str
     address: str = ""
 

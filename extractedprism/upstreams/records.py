@@ -15,6 +15,7 @@ from typing import Protocol
 
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams import state as sm
+from extractedprism.upstreams.activity import Activity
 from extractedprism.upstreams.dialstats import DialHistogram
 from extractedprism.upstreams.effects import Effects
 from extractedprism.upstreams.snapshot import AdminMark, UpstreamView
@@ -28,26 +29,22 @@ class Tracked(Protocol):
     started: float
     bytes_up: int
     bytes_down: int
+    up_answered: int  # bytes_up when the upstream's latest bytes were read (stall check)
 
     def close(self) -> None: ...
 
     def finish(self) -> None: ...
 
 
-class Activity:
-    """When a live connection was first seen and when its byte counts last moved, on the
-    registry clock (rebalancing only). The counts are the pipe's live ones, sampled by
-    the rebalancer (:meth:`Registry.sample_activity`), never touched per byte, so
-    ``attached`` is the first sample that saw the connection and ``active`` the first
-    that saw its counts move: its age and quiet time err short by at most one sample
-    period, never long, and a busy connection is never taken for a quiet one."""
+@dataclass(frozen=True)
+class StallTrigger:
+    """What a stall-triggered check was asked for: the stalled connections then, how
+    long the oldest had gone unanswered, and its client."""
 
-    __slots__ = ("active", "attached", "seen")
-
-    def __init__(self, now: float, seen: int) -> None:
-        self.attached = now
-        self.active = now
-        self.seen = seen
+    at: float
+    connections: int
+    stalled_for: float
+    client: str
 
 
 @dataclass
@@ -57,6 +54,9 @@ class Record:
     endpoint: Endpoint
     state: UpstreamState = field(default_factory=UpstreamState)
     conns: dict[int, Tracked] = field(default_factory=dict)
+    # Live connections whose relay still judges the first answer (Registry.attach_judging):
+    # not counted in the totals until they carry bytes or end answered.
+    judging: set[int] = field(default_factory=set)
     dialing: int = 0  # picked, dial in progress: counts for least-conn
     drain_deadline: float | None = None
     unready_deadline: float | None = None
@@ -77,9 +77,18 @@ class Record:
     bytes_up: int = 0  # of finished connections
     bytes_down: int = 0
     sources: tuple[str, ...] = ()  # the providers listing it (roles.Roles)
-    # Rebalancing (--rebalance-interval): id(conn) -> its Activity, and the closes made.
+    # Rebalancing and the stall check (--rebalance-interval, --stall-timeout): id(conn)
+    # -> its Activity (conn-sampler), and the closes rebalancing made.
     activity: dict[int, Activity] = field(default_factory=dict)
     rebalance_closes: int = 0
+    # The stall check (--stall-timeout): stalls counted (one per unanswered stretch of a
+    # connection), the stall-triggered checks' results ("failed", "passed"), when the
+    # last one was asked for (the rate limit), and what it was asked for (the log line
+    # of its result; None once that result is in).
+    stalls: int = 0
+    stall_checks: dict[str, int] = field(default_factory=dict)
+    stall_check_at: float | None = None
+    stall_trigger: StallTrigger | None = None
     # Slow start (--slow-start): serving now (pickable, and ready with readyz); has
     # served since it was added; ramps on its first serve (added to a list that already
     # served); when its current ramp began (None: full weight).
@@ -114,7 +123,9 @@ class Record:
                 fx.close.append(conn)
 
     def view(self, addr: str, *, readyz: bool, tier: int | None, rtt: float | None,
-             weight: float | None = None, fair_share: float | None = None) -> UpstreamView:
+             weight: float | None = None, fair_share: float | None = None,
+             stalls: int | None = None, stalled_connections: int | None = None
+             ) -> UpstreamView:
         live = self.conns.values()
         return UpstreamView.of(
             addr, self.state, readyz=readyz, tier=tier, rtt=rtt, active=len(self.conns),
@@ -126,7 +137,10 @@ class Record:
             close_deadline=_close_deadline(self), admin=self.admin_mark,
             dials=self.dials.frozen(), weight=weight, fair_share=fair_share,
             rebalance_closes=self.rebalance_closes,
-            answer_hedges=tuple(sorted(self.answer_hedges.items())))
+            stalls=stalls, stalled_connections=stalled_connections,
+            stall_checks=tuple(sorted(self.stall_checks.items())),
+            answer_hedges=tuple(sorted(self.answer_hedges.items())),
+            dials_in_flight=self.dialing)
 
 
 def spread(ids: list[int], now: float, over: float) -> list[tuple[float, int]]:
@@ -157,10 +171,15 @@ def _draining_reason(rec: Record) -> str | None:
 
 
 def _close_deadline(rec: Record) -> float | None:
-    """When its remaining connections will all have been closed, if that is scheduled."""
+    """When its remaining connections will all have been closed, if that is scheduled.
+
+    A readiness close with no connection left is no close: the deadline is re-armed each
+    period (for a connection that might still arrive), and shown it would move forward
+    for ever on a dead upstream.
+    """
     times = [t for t in (rec.drain_deadline if rec.state.lifecycle is sm.Lifecycle.DRAINING
                          else None,
-                         rec.unready_deadline,
+                         rec.unready_deadline if rec.conns else None,
                          rec.close_plan[-1][0] if rec.close_plan else None) if t is not None]
     return min(times) if times else None
 

@@ -9,8 +9,10 @@ Every thread reads and changes upstream state only through this object:
 * the ticker calls :meth:`tick` to expire drain and readiness deadlines;
 * the operator actions (:class:`~extractedprism.upstreams.actions.AdminActions`, for the
   admin socket) call :meth:`set_admin` and :meth:`known_addresses`;
-* the ``rebalancer`` thread (:mod:`extractedprism.upstreams.rebalancer`, only with
-  --rebalance-interval) calls :meth:`sample_activity` and :meth:`rebalance`, whose rule is
+* the ``conn-sampler`` thread (:mod:`extractedprism.upstreams.sampler`, only with
+  --rebalance-interval or --stall-timeout) calls :meth:`sample_activity` (which also finds
+  stalls, :mod:`extractedprism.upstreams.activity`, and asks the ticker for a
+  stall-triggered check) and :meth:`rebalance`, whose rule is
   :mod:`extractedprism.upstreams.balance` (pure), as is slow start's weight ramp;
 * the health server and the metrics collector read :meth:`snapshot`.
 
@@ -21,6 +23,11 @@ needs the lock: the address -> record dict, live connections, the counters, the 
 and readiness deadlines and the panic flag. Fields guarded by
 ``self.lock``: ``_ups`` (and everything in each record), ``_panic``, ``_conn_count``,
 ``_connections_total``, ``_closing``, ``_rebalance`` (the rounds' record), ``_ramping``.
+The stall check's rules (``--stall-timeout``) live here too, each once: when a stall asks
+for a check (:meth:`_stalls_locked`: a checked upstream that is not excluded, at most once
+per stall timeout), how its result counts (:meth:`record_probe` with ``stall=True``:
+like any other, plus the metric and one log line), and which connections go at the
+moment failed checks exclude an upstream (:meth:`_close_stalled_locked`).
 Methods never do I/O, logging or callbacks while holding it: sockets to close, log lines
 and change notices are collected in an
 :class:`~extractedprism.upstreams.effects.Effects` under the lock and carried out after it is
@@ -40,11 +47,12 @@ from collections.abc import Callable, Iterable, Sequence
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams import balance
 from extractedprism.upstreams import state as sm
+from extractedprism.upstreams.activity import STALL_FAILED, STALL_PASSED, Activity
 from extractedprism.upstreams.effects import Change, Effects
 from extractedprism.upstreams.latency import LatencyTiers
 from extractedprism.upstreams.records import (
-    Activity,
     Record,
+    StallTrigger,
     Tracked,
     last_success,
     readiness_moves,
@@ -64,6 +72,7 @@ from extractedprism.upstreams.state import ProbeResult, Readiness
 
 log = logging.getLogger(__name__)
 _STATE = operator.attrgetter("state")
+_first = operator.itemgetter(0)
 
 
 class Registry:
@@ -84,6 +93,7 @@ class Registry:
         rebalance_interval: float = 0.0,
         rebalance_quiet: float = 5.0,
         slow_start: float = 0.0,
+        stall_timeout: float = 0.0,
     ) -> None:
         self.lock = threading.RLock()
         self._selection = selection
@@ -119,6 +129,9 @@ class Registry:
         # non-empty, so with slow start off (or no ramp running) a pick costs what it did.
         self._slow_start = slow_start
         self._ramping: set[str] = set()
+        # The stall check (0: off). Connections' activity is sampled (conn-sampler) only
+        # when it or rebalancing is on.
+        self._stall_timeout = stall_timeout
 
     def _run(self, fx: Effects) -> None:
         fx.run(log, self._on_change)
@@ -194,11 +207,14 @@ class Registry:
 
     def _remove_locked(self, addr: str) -> list[Tracked]:
         rec = self._ups.pop(addr)
+        if rec.judging:  # the ones carrying bytes are counted before the record goes
+            self._settle_record_locked(rec)
         self._latency.remove(addr)
         self._ramping.discard(addr)
         conns = list(rec.conns.values())
         self._conn_count -= len(conns)
         rec.conns.clear()
+        rec.judging.clear()
         rec.activity.clear()
         return conns
 
@@ -417,10 +433,12 @@ class Registry:
 
     # -- health -------------------------------------------------------------------
 
-    def record_probe(self, addr: str, result: ProbeResult) -> bool:
+    def record_probe(self, addr: str, result: ProbeResult, *, stall: bool = False) -> bool:
         """Feed one health check (TCP, and readyz when enabled) into the state machine.
 
-        True when the upstream now awaits the check that confirms a first failure
+        ``stall``: a check a stall asked for (:meth:`_stalls_locked`); it counts like any
+        other, and is also counted by result and logged once. True when the upstream now
+        awaits the check that confirms a first failure
         (:func:`~extractedprism.upstreams.state.awaits_confirmation`): the ticker runs it
         after --health-recheck."""
         fx = Effects()
@@ -434,15 +452,35 @@ class Registry:
                 rec.last_success = now
                 if self._latency_mode and result.rtt is not None:
                     self._latency.observe(addr, result.rtt)
+            before = rec.state
             rec.state, transitions = sm.on_probe(rec.state, result, readyz=self._readyz)
             confirm = sm.awaits_confirmation(rec.state)
+            if stall:
+                self._stall_result_locked(addr, rec, result, now, fx)
             fx.transitions(addr, transitions)
+            if sm.excluded(rec.state) and not sm.excluded(before):
+                self._close_stalled_locked(addr, rec, now, fx)
             self._update_readiness_deadlines_locked(now, fx)
             self._update_panic_locked(fx)
             self._update_words_locked(now)
         # No change notice: the probe thread wakes the ticker when it finishes.
         self._run(fx)
         return confirm
+
+    def _stall_result_locked(self, addr: str, rec: Record, result: ProbeResult, now: float,
+                             fx: Effects) -> None:
+        """A stall-triggered check's result: counted (extractedprism_stall_checks_total)
+        and logged in one line with what asked for it."""
+        error = result.reason or result.ready_reason
+        outcome = STALL_FAILED if error else STALL_PASSED
+        rec.stall_checks[outcome] = rec.stall_checks.get(outcome, 0) + 1
+        why, rec.stall_trigger = rec.stall_trigger, None
+        if why is None:  # asked for before the upstream was removed and added again
+            why = StallTrigger(now, 0, 0.0, "")
+        fx.log(logging.WARNING if error else logging.INFO,
+               "stall check upstream=%s result=%s reason=%r stalled_connections=%d "
+               "stalled_for=%.1fs client=%s took=%.1fs", addr, outcome, error, why.connections,
+               why.stalled_for, why.client or "-", now - why.at)
 
     def record_dial(self, addr: str, ok: bool, reason: str = "", *, count_error: bool = True,
                     duration: float | None = None) -> None:
@@ -473,12 +511,14 @@ class Registry:
             return None  # the common case: nothing to change, nobody to wake
         recheck = not ok and sm.awaits_confirmation(state) and not sm.awaits_confirmation(
             rec.state)
-        rec.state = state
+        before, rec.state = rec.state, state
         now = self._clock()
         if not ok:
             rec.last_check_at = now
         fx = Effects()
         fx.transitions(addr, transitions)
+        if sm.excluded(state) and not sm.excluded(before):
+            self._close_stalled_locked(addr, rec, now, fx)
         flipped = any(t.health_flipped for t in transitions)
         if flipped:
             self._update_readiness_deadlines_locked(now, fx)
@@ -536,23 +576,86 @@ class Registry:
 
     def sample_activity(self) -> None:
         """Note which live connections moved bytes since the last sample (their pipes
-        count live; this only reads the counts, so the relay does no extra work)."""
+        count live; this only reads the counts, so the relay does no extra work), and,
+        with --stall-timeout, which stalled: a stall asks the ticker for a check of its
+        upstream (after the lock is released)."""
+        fx = Effects()
         with self.lock:
-            self._sample_locked(self._clock())
+            self._sample_locked(self._clock(), fx)
+        self._run(fx)
 
-    def _sample_locked(self, now: float) -> None:
+    def _sample_locked(self, now: float, fx: Effects) -> None:
         # A connection's Activity starts at the first sample that sees it, not in attach:
-        # a new connection's pick costs nothing more with rebalancing on, and its age and
+        # a new connection's pick costs nothing more with sampling on, and its age and
         # quiet time err short by at most one sample period (never long).
-        for rec in self._ups.values():
-            acts = rec.activity
-            for key, conn in rec.conns.items():
-                seen = conn.bytes_up + conn.bytes_down
-                act = acts.get(key)
-                if act is None:
-                    acts[key] = Activity(now, seen)
-                elif seen != act.seen:
-                    act.seen, act.active = seen, now
+        timeout = self._stall_timeout
+        for addr, rec in self._ups.items():
+            stalled = self._sample_record_locked(rec, now, timeout)
+            if stalled:
+                self._stalls_locked(addr, rec, now, stalled, fx)
+
+    @staticmethod
+    def _sample_record_locked(rec: Record, now: float, timeout: float
+                              ) -> list[tuple[float, Tracked, Activity]]:
+        """Sample ``rec``'s connections; returns those stalled now (``timeout``: the
+        stall timeout, 0: none) as (unanswered for, connection, activity)."""
+        # One pass, and only two attribute reads for a connection that moved nothing:
+        # this runs under the registry lock every sample period for every connection.
+        # bytes_up is read before up_answered: the mark only grows and never passes
+        # bytes_up, so a read racing the relay errs toward "answered", never toward a
+        # stall that was not.
+        acts = rec.activity
+        stalled: list[tuple[float, Tracked, Activity]] = []
+        for key, conn in rec.conns.items():
+            act = acts.get(key)
+            up, down = conn.bytes_up, conn.bytes_down
+            if act is None:
+                act = acts[key] = Activity(now, up, down, conn.up_answered)
+            elif up != act.up or down != act.down:
+                act.sample(now, up, down, conn.up_answered)
+            if timeout and act.asked is not None and now - act.asked >= timeout:
+                stalled.append((now - act.asked, conn, act))
+        return stalled
+
+    def _stalls_locked(self, addr: str, rec: Record, now: float,
+                       stalled: list[tuple[float, Tracked, Activity]], fx: Effects) -> None:
+        """Count ``addr``'s newly ``stalled`` connections; a stall not yet covered by a
+        check asks for one now (Change "stall-check": the ticker runs its next check at
+        once), at most once per --stall-timeout, and only of an upstream that takes
+        checks and is not excluded (an excluded one is checked anyway, and loses
+        nothing)."""
+        for _, _, act in stalled:
+            if not act.stalled:
+                act.stalled = True
+                rec.stalls += 1
+        if all(act.checked for _, _, act in stalled):
+            return
+        if rec.state.lifecycle not in sm.TAKES_CHECKS or sm.excluded(rec.state):
+            return
+        if rec.stall_check_at is not None and now - rec.stall_check_at < self._stall_timeout:
+            return  # the rate limit: the next sample after it asks again
+        for _, _, act in stalled:
+            act.checked = True
+        oldest = max(stalled, key=_first)
+        rec.stall_check_at = now
+        rec.stall_trigger = StallTrigger(now, len(stalled), oldest[0], oldest[1].client)
+        fx.changes.append(Change("stall-check", addr))
+
+    def _close_stalled_locked(self, addr: str, rec: Record, now: float, fx: Effects) -> None:
+        """Failed checks just excluded ``addr`` (unhealthy, or unready with readyz): its
+        connections stalled right now are closed at once, while another upstream serves
+        (the rest keep --unready-drain-timeout). They wait on an answer an upstream that
+        fails its checks is not giving: there is nothing to drain, and the client
+        reconnects to a serving one. Only with --stall-timeout."""
+        if self._stall_timeout <= 0 or not any(
+                a != addr and r.state.pickable and (r.state.ready or not self._readyz)
+                for a, r in self._ups.items()):
+            return
+        conns = [c for _, c, _ in self._sample_record_locked(rec, now, self._stall_timeout)]
+        if conns:
+            fx.log(logging.INFO, "closing stalled connections upstream=%s connections=%d "
+                   "reason=%r", addr, len(conns), "excluded by failed checks")
+            fx.close.extend(conns)  # pipes detach themselves when they notice the close
 
     def _rebalance_blocker_locked(self) -> tuple[str, str] | None:
         """(reason, upstream) when another mechanism is moving connections right now."""
@@ -586,7 +689,7 @@ class Registry:
             if view is None:
                 return RebalanceView(0.0, self._rebalance_quiet, last_reason="off")
             now = self._clock()
-            self._sample_locked(now)
+            self._sample_locked(now, fx)
             reason, detail, acted = self._round_locked(now, trigger, fx)
             view = self._rebalance = dataclasses.replace(
                 view, rounds=view.rounds + 1, closes=view.closes + acted,
@@ -626,34 +729,39 @@ class Registry:
     # -- connections --------------------------------------------------------------
 
     def attach(self, target: Reservation | str, conn: Tracked) -> bool:
-        """Track a connection that just dialed its reserved upstream (the reservation
-        ends here, attached or not); False if the upstream drains or left meanwhile.
+        """Track a connection whose carrier is known (the reservation ends here, attached
+        or not) and count it; False if the upstream drains or left meanwhile.
 
         The reservation's dial succeeded: recorded here, in the same lock round trip. A
-        plain address attaches without a reservation and records nothing (tests, tools)."""
+        plain address attaches without a reservation and records nothing (the first
+        upstream after a hedge, tests, tools)."""
         with self.lock:
-            ok, fx = self._attach_locked(target, conn)
+            ok, fx = self._attach_locked(target, conn, judging=False)
         if fx is not None:
             self._run(fx)
         return ok
 
-    def attach_unjudged(self, res: Reservation, conn: Tracked) -> bool | None:
+    def attach_judging(self, res: Reservation, conn: Tracked) -> bool | None:
         """attach() before the silent-upstream check has judged the dial, so the check
-        and the relay can run as one native call (Pipe.run_judged). Only where the dial's
-        success changes nothing about the upstream (no streak to clear, no readiness to
-        reset: the common case), so a silent verdict recorded after it (Dialer.failed)
-        counts exactly as if the check had come first. None: it would change something;
-        nothing was done, and the caller judges first and then calls attach()."""
+        and the relay can run as one native call (Pipe.run_judged). The connection is
+        live (drains, shutdown and /upstreams see it) but not counted until it carries
+        (see :meth:`_settle_locked`): a silent or left verdict detaches it uncounted.
+
+        Only where the dial's success changes nothing about the upstream (no streak to
+        clear, no readiness to reset: the common case), so a silent verdict recorded after
+        it (FirstAnswer.judged) counts exactly as if the check had come first. None: it
+        would change something; nothing was done, and the caller judges first and then
+        calls attach()."""
         with self.lock:
             rec = self._ups.get(res.address)
             if rec is not None and not rec.state.draining and sm.dial_success_changes(
                     rec.state):
                 return None
-            ok, fx = self._attach_locked(res, conn)
+            ok, fx = self._attach_locked(res, conn, judging=True)
         assert fx is None  # a success that changes nothing has no effects
         return ok
 
-    def _attach_locked(self, target: Reservation | str, conn: Tracked
+    def _attach_locked(self, target: Reservation | str, conn: Tracked, *, judging: bool
                        ) -> tuple[bool, Effects | None]:
         fx = None
         if isinstance(target, Reservation):
@@ -667,22 +775,56 @@ class Registry:
                   or self._closing)
         if ok:
             assert rec is not None
-            rec.conns[id(conn)] = conn
-            rec.total_connections += 1
+            key = id(conn)
+            rec.conns[key] = conn
             self._conn_count += 1
-            self._connections_total += 1
+            if judging:
+                rec.judging.add(key)
+            else:
+                self._count_locked(rec)
         return ok, fx
 
-    def detach(self, addr: str, conn: Tracked) -> None:
+    def _count_locked(self, rec: Record) -> None:
+        """The one place a connection is counted (connections_total and its upstream's
+        total): once, on the upstream that carries it. That is known at attach(), or, for
+        a connection attached while its relay judges the first answer, when the relay
+        carries bytes (_settle_locked) or ends answered (detach)."""
+        rec.total_connections += 1
+        self._connections_total += 1
+
+    def _settle_locked(self) -> None:
+        """Count the judging connections whose relay carries bytes by now: the native relay
+        moves none before the upstream answered (nothing on a silent verdict), so a byte
+        either way means this upstream carries the connection. Run before every read of
+        the totals, so no reader sees a connection that carries uncounted."""
+        for rec in self._ups.values():
+            if rec.judging:
+                self._settle_record_locked(rec)
+
+    def _settle_record_locked(self, rec: Record) -> None:
+        for key in [k for k in rec.judging
+                    if rec.conns[k].bytes_up or rec.conns[k].bytes_down]:
+            rec.judging.discard(key)
+            self._count_locked(rec)
+
+    def detach(self, addr: str, conn: Tracked, *, carried: bool = True) -> None:
+        """The connection ended. ``carried``: False when its relay found the upstream
+        silent or the client gone before it answered (a judging connection is then never
+        counted)."""
         with self.lock:
             rec = self._ups.get(addr)
-            if rec is None or rec.conns.pop(id(conn), None) is None:
+            key = id(conn)
+            if rec is None or rec.conns.pop(key, None) is None:
                 return
+            if rec.judging and key in rec.judging:
+                rec.judging.discard(key)
+                if carried:
+                    self._count_locked(rec)
             if rec.activity:
-                rec.activity.pop(id(conn), None)
+                rec.activity.pop(key, None)
             self._conn_count -= 1
             if rec.close_plan:  # it ended before its admin close came
-                rec.close_plan = [(t, i) for t, i in rec.close_plan if i != id(conn)]
+                rec.close_plan = [(t, i) for t, i in rec.close_plan if i != key]
             rec.bytes_up += conn.bytes_up
             rec.bytes_down += conn.bytes_down
             if not (rec.state.draining and not rec.conns):
@@ -721,9 +863,11 @@ class Registry:
     def snapshot(self, *, connections: bool = False) -> Snapshot:
         """A frozen copy of every upstream (and, if asked, every live connection)."""
         with self.lock:
+            self._settle_locked()
             latency, readyz = self._latency_mode, self._readyz
             now, wall = self._clock(), self._wall()
             slow = self._slow_start > 0
+            stall = self._stall_timeout
             shares = (balance.fair_shares(self._loads_locked())
                       if slow or self._rebalance is not None else {})
             views = tuple(
@@ -731,7 +875,8 @@ class Registry:
                        tier=self._latency.tier(addr) if latency else None,
                        rtt=self._latency.average(addr) if latency else None,
                        weight=self._weight_locked(addr, now) if slow else None,
-                       fair_share=shares.get(addr))
+                       fair_share=shares.get(addr),
+                       **(self._stall_view_locked(r, now) if stall > 0 else {}))
                 for addr, r in sorted(self._ups.items())
             )
             conns = tuple(ConnView(c.client, a, c.started, c.bytes_up, c.bytes_down)
@@ -750,7 +895,15 @@ class Registry:
                 taken_mono=now,
                 taken_wall=wall,
                 rebalance=self._rebalance,
+                stall_timeout=stall,
             )
+
+    def _stall_view_locked(self, rec: Record, now: float) -> dict[str, int]:
+        """The stall check's part of an upstream's view (at the last sample)."""
+        acts = rec.activity
+        return {"stalls": rec.stalls,
+                "stalled_connections": sum(1 for a in acts.values()
+                                           if a.is_stalled(now, self._stall_timeout))}
 
     def healthy(self) -> bool:
         """At least one upstream is pickable (the proxy's /readyz)."""

@@ -100,6 +100,15 @@ class UpstreamView:
     # Connections whose first answer was hedged, by this upstream's outcome: "won",
     # "lost" (answered after the other), "silent" (never within --health-timeout).
     answer_hedges: tuple[tuple[str, int], ...] = ()
+    # The stall check (None: --stall-timeout 0): stalls seen on its connections (one per
+    # unanswered stretch of a connection), its live connections stalled at the last
+    # sample, and the stall-triggered checks' results ("failed", "passed").
+    stalls: int | None = None
+    stalled_connections: int | None = None
+    stall_checks: tuple[tuple[str, int], ...] = ()
+    # Picked and dialing: reservations held (least-conn counts them). Each ends at attach
+    # or release, so a count that never returns to 0 is a leaked reservation.
+    dials_in_flight: int = 0
 
     @property
     def admin_drained(self) -> bool:
@@ -159,6 +168,7 @@ class Snapshot:
     taken_mono: float = 0.0  # the registry clock when the snapshot was taken
     taken_wall: float = 0.0  # time.time() at the same moment
     rebalance: RebalanceView | None = None  # None: --rebalance-interval 0
+    stall_timeout: float = 0.0  # --stall-timeout (0: the stall check is off)
 
     def get(self, address: str) -> UpstreamView | None:
         return next((u for u in self.upstreams if u.address == address), None)

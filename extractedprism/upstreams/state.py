@@ -235,6 +235,13 @@ def awaits_confirmation(s: UpstreamState) -> bool:
                 and 0 < s.ready_fail_streak < FAILURE_THRESHOLD))
 
 
+def excluded(s: UpstreamState) -> bool:
+    """Failed checks (or dials) have taken it out of service: TCP-unhealthy, or unready
+    (readyz). The stall check asks for checks only of upstreams that are not, and closes
+    stalled connections at the moment one becomes so (``--stall-timeout``)."""
+    return not s.healthy or s.readiness is Readiness.UNREADY
+
+
 def dial_success_changes(s: UpstreamState) -> bool:
     """Whether a successful dial changes anything: a failure streak to clear, or (after a
     TCP failure) a readiness to reset. Mostly not: every new connection asks."""

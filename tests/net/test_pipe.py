@@ -226,6 +226,38 @@ def test_byte_counters_are_live_while_the_connection_runs(path):
         relay.join(5)
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_up_answered_is_the_client_count_at_the_upstreams_latest_bytes(path):
+    """The stall check's mark (upstreams/activity.py): client bytes beyond it came after
+    the upstream's latest bytes, i.e. are unanswered."""
+    client, upstream, p = piped(path)
+    relay = start_pipe(p)
+    try:
+        upstream.settimeout(5)
+        client.settimeout(5)
+        client.sendall(b"GET 1\n")
+        assert upstream.recv(100) == b"GET 1\n"
+        wait_until(lambda: (p.bytes_up, p.up_answered) == (6, 0), 5)  # asked, unanswered
+        upstream.sendall(b"answer 1\n")
+        assert client.recv(100) == b"answer 1\n"
+        wait_until(lambda: (p.bytes_down, p.up_answered) == (9, 6), 5)  # answered
+        client.sendall(b"GET 22\n")  # the next request: unanswered again
+        assert upstream.recv(100) == b"GET 22\n"
+        wait_until(lambda: p.bytes_up == 13, 5)
+        assert p.up_answered == 6
+        upstream.sendall(b"x")
+        wait_until(lambda: p.up_answered == 13, 5)
+        client.shutdown(socket.SHUT_WR)
+        upstream.shutdown(socket.SHUT_WR)
+        relay.join(5)
+        assert not relay.is_alive()
+    finally:
+        client.close()
+        upstream.close()
+        relay.join(5)
+
+
 def test_native_relay_releases_the_gil():
     """The native relay blocks without the GIL: another thread runs Python meanwhile."""
     client, upstream, p = piped(("native", "splice"))

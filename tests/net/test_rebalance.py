@@ -233,7 +233,7 @@ def test_off_by_default_changes_nothing(make_app, servers, fleet):
     clients = fleet(app)
     clients.open(9)
     app.registry.set_admin(ups[2].address, "", 0)
-    assert not [t for t in threading.enumerate() if t.name == "rebalancer"]
+    assert not [t for t in threading.enumerate() if t.name == "conn-sampler"]
     # Several health intervals (the only clock left running): nothing moves.
     clients.pump(4 * app.config.health_interval)
     assert clients.closes == []

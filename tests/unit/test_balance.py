@@ -312,6 +312,9 @@ def test_slow_start_with_latency_weighs_inside_the_tier():
      "100ms"),
     ("rebalance_quiet", "-1s", "--rebalance-quiet (-1s) must not be negative"),
     ("slow_start", "soon", "--slow-start (soon) is invalid"),
+    ("stall_timeout", "100ms", "--stall-timeout (100ms) must be 0 (off) or at least 500ms"),
+    ("stall_timeout", "-2s", "--stall-timeout (-2s) must be 0 (off) or at least 500ms"),
+    ("stall_timeout", "2 s", "--stall-timeout (2 s) is invalid"),
 ])
 def test_bad_values_are_named(flag, value, message):
     with pytest.raises(ConfigError) as err:
@@ -322,3 +325,5 @@ def test_bad_values_are_named(flag, value, message):
 def test_the_defaults_are_off():
     cfg = validate({"endpoints": "10.0.0.1:6443"})
     assert (cfg.rebalance_interval, cfg.rebalance_quiet, cfg.slow_start) == (0.0, 5.0, 0.0)
+    assert cfg.stall_timeout == 0.0
+    assert validate({"endpoints": "10.0.0.1:6443", "stall_timeout": "2s"}).stall_timeout == 2.0
