@@ -1,8 +1,9 @@
 """Upstream health probes: TCP connect, then optionally HTTPS ``GET /readyz`` (socket I/O).
 
-Owns the I/O of one health check and nothing else: no threads, no state, no logging at
-info level (the registry logs transitions, once per change). The ticker calls
-:func:`probe` from its probe threads, one call per upstream and interval.
+Owns the I/O of one health check and nothing else: no threads, no logging at info level
+(the registry logs transitions, once per change), and no state but the readyz probes'
+kept-alive connections (:class:`ProbeConnections`, one per upstream). The ticker calls
+``ProbeConnections.probe`` from its probe threads, one call per upstream and interval.
 
 One deadline, ``timeout`` seconds from the call, covers everything: name resolution,
 connect, and with readyz the TLS handshake, the request and the response head (status
