@@ -30,7 +30,12 @@ import time
 from typing import TYPE_CHECKING
 
 from extractedprism import __version__
-from extractedprism.checks.probes import Prober, ReadyzSettings, ca_file_problem, probe
+from extractedprism.checks.probes import (
+    ProbeConnections,
+    Prober,
+    ReadyzSettings,
+    ca_file_problem,
+)
 from extractedprism.checks.ticker import Ticker
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.config.table import Config
@@ -73,7 +78,7 @@ class App:
     def __init__(self, config: Config, *, metrics: Metrics | None = None,
                  stop: threading.Event | None = None, sa_dir: str | None = None,
                  rng: random.Random | None = None,
-                 prober: Prober = probe, relay: Relay | None = None) -> None:
+                 prober: Prober | None = None, relay: Relay | None = None) -> None:
         self.config = config
         self.stop_event = stop or threading.Event()
         self.metrics = metrics or Metrics()
@@ -104,10 +109,17 @@ class App:
                 key_file=config.health_check_key_file,
                 token_file=config.health_check_token_file,
             )
+        # The probes' kept-alive readyz connections, owned by the ticker (unless a test
+        # hands in a prober of its own).
+        self.probe_connections = ProbeConnections() if prober is None else None
+        if self.probe_connections is not None and readyz is not None:
+            self.metrics.attach_probe_connections(self.probe_connections.opened)
         self.ticker = Ticker(self.registry, interval=config.health_interval,
                              timeout=config.health_timeout, recheck=config.health_recheck,
-                             readyz=readyz,
-                             stop=self.stop_event, prober=prober,
+                             readyz=readyz, stop=self.stop_event,
+                             prober=(prober if self.probe_connections is None
+                                     else self.probe_connections.probe),
+                             connections=self.probe_connections,
                              max_wait=min(config.liveness_interval, config.health_interval))
         self.proxy = Proxy(self.registry, bind_address=config.bind_address,
                            bind_port=config.bind_port, dial_timeout=config.health_timeout,
@@ -172,6 +184,8 @@ class App:
 
     def start(self) -> None:
         cfg = self.config
+        if cfg.enable_discovery and cfg.kubeconfig:
+            self._check_kubeconfig()  # before anything is bound or taken over
         received = handover.receive(cfg.handover_socket) if cfg.handover_socket else None
         try:
             taken = self._open_listeners(received)
@@ -307,9 +321,21 @@ class App:
                  ",".join(str(e) for e in cfg.endpoints), cfg.upstream_selection,
                  cfg.health_check, cfg.enable_discovery, self.relay)
 
+    def _check_kubeconfig(self) -> None:
+        """A missing or malformed ``--kubeconfig`` stops the start (KubeconfigError:
+        one line naming the file and what is wrong, exit 2); a file it names that is
+        not there yet only warns (discovery fails, naming it, until it is)."""
+        from extractedprism.discovery.credentials import check_kubeconfig
+
+        problem = check_kubeconfig(self.config.kubeconfig)
+        if problem:
+            log.warning("kubeconfig refers to a file that is not usable yet path=%s "
+                        "error=%s; discovery fails until it is", self.config.kubeconfig,
+                        problem)
+
     def _start_discovery(self) -> None:
-        # Imported here: the kubernetes client takes ~0.5 s to import, which static-only
-        # runs (and every in-process test) need not pay.
+        # Imported here: static-only runs need none of discovery's modules (ssl contexts,
+        # yaml with a kubeconfig).
         from extractedprism.discovery.watch import KubernetesProvider
 
         provider = "kubernetes"
@@ -340,9 +366,7 @@ class App:
         if not cfg.state_file:
             return
         if not cfg.enable_discovery:
-            log.warning("state file not used: discovery is off flag=--state-file path=%s",
-                        cfg.state_file)
-            return
+            return  # the command line warned: config.table.UNUSED
         cached = statefile.read(cfg.state_file)
         if cached:
             self._cache_in_use = True

@@ -45,6 +45,7 @@ SUBCOMMANDS: dict[str, str] = {
     "status": "extractedprism.ops.status:main",
     "admin": "extractedprism.ops.admin:main",
     "static-pod": "extractedprism.ops.staticpod:main",
+    "profile": "extractedprism.ops.profile:main",
 }
 
 
@@ -109,24 +110,44 @@ def on_sighup(_signum: int = 0, _frame: object = None) -> None:
     _log().warning(SIGHUP_MESSAGE)
 
 
+HELP_POINTER = "see 'extractedprism --help'"
+
+
+def unknown_subcommand(name: str) -> str:
+    """One line: the word is not a subcommand; the real ones, the closest first."""
+    from extractedprism.config.parser import MAX_SUGGEST_EDITS, _edits
+
+    dist, best = min((_edits(name, n), n) for n in SUBCOMMANDS)
+    hint = f" (did you mean {best}?)" if dist <= MAX_SUGGEST_EDITS else ""
+    return (f"unknown subcommand {name!r}{hint}; the subcommands are "
+            f"{', '.join(SUBCOMMANDS)}, and the proxy itself takes only flags: {HELP_POINTER}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
         return run_subcommand(args[0], args[1:])
+    if args and not args[0].startswith("-"):
+        print(f"extractedprism: {unknown_subcommand(args[0])}", file=sys.stderr)
+        return 2
     # The proxy: from here on the flag machinery, logging and the server. The malloc
     # arenas are capped before any thread starts (heap.py).
     heap.limit_arenas()
-    from extractedprism.config.parser import parse_config
+    from extractedprism.config.parser import UsageError, parse
     from extractedprism.config.table import ConfigError
     from extractedprism.logs.setup import setup_logging, shutdown_logging
 
     try:
-        config = parse_config(args, tuple(SUBCOMMANDS))
+        parsed = parse(args, tuple(SUBCOMMANDS))
+    except UsageError as exc:
+        print(f"extractedprism: {exc}", file=sys.stderr)  # it says where help is
+        return exc.exit_status
     except ConfigError as exc:
         print("extractedprism: invalid configuration:", file=sys.stderr)
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return 2
+    config = parsed.config
 
     from extractedprism.datapath.relay import RelayUnavailable, resolve
 
@@ -138,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     setup_logging(config.log_level, fmt=config.log_format, background=True, capture=True)
+    for warning in parsed.warnings:  # a setting given that this configuration never reads
+        _log().warning("%s", warning)
     try:
         return _run(config, relay)
     finally:

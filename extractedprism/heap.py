@@ -8,7 +8,8 @@ connections (each pipe thread's frames, buffers and glibc arena). This process r
 every node for months; :func:`trim` hands those pages back (about 1 MiB after the
 start, as much again after a burst; docs/performance.md, "Footprint"). It walks every
 arena, a few milliseconds, so it is called once per such event, never per connection.
-Without glibc (musl) it does nothing. ``ctypes`` is imported on the first call.
+Without glibc (musl), or in a Python without ``ctypes``, it does nothing. ``ctypes`` is
+imported on the first call.
 
 glibc gives each thread that allocates an arena of its own, up to 8 per CPU; each keeps
 its own free and fragmented pages, and a pipe thread allocates little (the GIL
@@ -29,8 +30,10 @@ _missing = False
 
 
 def _libc() -> object | None:
-    import ctypes
-
+    try:
+        import ctypes  # a Python built without _ctypes (libffi) has none: nothing to do
+    except ImportError:
+        return None
     try:
         return ctypes.CDLL(None)
     except OSError:

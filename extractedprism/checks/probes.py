@@ -6,7 +6,11 @@ info level (the registry logs transitions, once per change). The ticker calls
 
 One deadline, ``timeout`` seconds from the call, covers everything: name resolution,
 connect, and with readyz the TLS handshake, the request and the response head (status
-line and headers; the body is never read).
+line and headers). :func:`probe` opens a new TLS connection for every readyz request
+(``Connection: close``; the body is never read). :class:`ProbeConnections`, what the
+ticker runs, keeps one TLS connection per upstream alive between probes instead (see
+there): the TCP check stays a connect of its own, and the ``GET /readyz`` goes over the
+kept connection, which costs the API server a fraction of a handshake.
 Each blocking step gets a socket timeout equal to the budget left, so a probe returns
 within ``timeout`` (plus scheduling noise) whatever the peer does, with one exception:
 ``getaddrinfo`` cannot be interrupted, so a hung resolver for a *hostname* endpoint can
@@ -17,7 +21,8 @@ endpoints never touch the resolver.
 tiers are defined on; the readyz exchange is not part of it.
 
 Readyz credentials (client certificate/key, bearer token) and the CA bundle are read
-from disk on every probe, so rotation needs no restart and a file that does not exist
+from disk on every probe (a kept connection is replaced when any of them changed), so
+rotation needs no restart and a file that does not exist
 yet fails the probe (``ready=False`` with a reason naming the file) instead of raising.
 Only regular files are opened, so a FIFO or device path cannot block a probe thread
 past its deadline. The token is never logged or put in a reason string.
@@ -25,15 +30,19 @@ past its deadline. The token is never logged or put in a reason string.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import logging
 import os
 import re
+import select
 import socket
 import ssl
 import stat
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from extractedprism.config.endpoints import Endpoint, is_ip
@@ -78,12 +87,20 @@ class _Deadline:
 
 def probe(endpoint: Endpoint, timeout: float, readyz: ReadyzSettings | None = None
           ) -> ProbeResult:
-    """Run one health check against ``endpoint``; never raises."""
+    """Run one health check against ``endpoint`` (readyz on a new TLS connection that is
+    closed afterwards); never raises."""
+    return _probe(endpoint, timeout, readyz, None)
+
+
+def _probe(endpoint: Endpoint, timeout: float, readyz: ReadyzSettings | None,
+           kept: _Kept | None) -> ProbeResult:
     deadline = _Deadline(timeout)
     start = time.monotonic()
     try:
         sock = _connect(endpoint, deadline)
     except _ProbeFailed as exc:
+        if kept is not None:
+            kept.discard()  # the server is gone or unreachable: so is its connection
         return ProbeResult(False, None, str(exc))
     except Exception as exc:  # never raise out of a probe; this is a bug, say so
         log.exception("probe unexpected error upstream=%s", endpoint)
@@ -93,7 +110,10 @@ def probe(endpoint: Endpoint, timeout: float, readyz: ReadyzSettings | None = No
         if readyz is None:
             return ProbeResult(True, rtt, "")
         try:
-            _readyz(sock, readyz, deadline)
+            if kept is None:
+                _readyz(sock, readyz, deadline)
+            else:
+                _readyz_kept(endpoint, sock, readyz, deadline, kept)
         except _ProbeFailed as exc:
             return ProbeResult(True, rtt, "", ready=False, ready_reason=str(exc))
         except Exception as exc:
@@ -102,7 +122,144 @@ def probe(endpoint: Endpoint, timeout: float, readyz: ReadyzSettings | None = No
                                ready_reason=f"unexpected error: {type(exc).__name__}: {exc}")
         return ProbeResult(True, rtt, "", ready=True)
     finally:
-        sock.close()
+        sock.close()  # a no-op once a TLS connection took the socket over
+
+
+class ProbeConnections:
+    """The readyz probe's kept-alive TLS connections, one per upstream, and the prober
+    that uses them (:meth:`probe`, a :data:`Prober`).
+
+    Owned by the ticker: it calls :meth:`retain` with the upstreams it checks, so the
+    connection of an upstream that is removed (or drained) is closed, and :meth:`close`
+    at shutdown. Each upstream's connection sits in a small holder that one probe checks
+    out at a time; a second probe of the same upstream meanwhile (the ticker never starts
+    one, this is a guard) gets a connection of its own that is closed afterwards. The
+    registry and its lock are not involved; nothing but ``GET /readyz`` ever goes over a
+    kept connection.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, _Kept] = {}
+        self._closed = False
+
+    def probe(self, endpoint: Endpoint, timeout: float,
+              readyz: ReadyzSettings | None = None) -> ProbeResult:
+        """Like :func:`probe`, with the readyz request on the upstream's kept connection."""
+        if readyz is None:
+            return _probe(endpoint, timeout, None, None)
+        addr = str(endpoint)
+        with self._lock:
+            kept = None if self._closed else self._held.setdefault(addr, _Kept())
+        if kept is not None and kept.checkout():
+            try:
+                return _probe(endpoint, timeout, readyz, kept)
+            finally:
+                kept.checkin()
+        once = _Kept(keep=False)  # busy or shut down: a connection of its own
+        try:
+            return _probe(endpoint, timeout, readyz, once)
+        finally:
+            if kept is not None:
+                kept.add_opened(once.opened)
+
+    def retain(self, addresses: Collection[str]) -> None:
+        """Close the kept connections of every upstream not in ``addresses``."""
+        with self._lock:
+            gone = [self._held.pop(a) for a in list(self._held) if a not in addresses]
+        for kept in gone:
+            kept.retire()
+
+    def close(self) -> None:
+        """Close every kept connection; later probes keep none (shutdown)."""
+        with self._lock:
+            self._closed = True
+            gone = list(self._held.values())
+            self._held.clear()
+        for kept in gone:
+            kept.retire()
+
+    def opened(self) -> dict[str, int]:
+        """New TLS connections the readyz probes opened, per upstream probed (the
+        difference to the number of probes is what keeping them saved)."""
+        with self._lock:
+            return {addr: kept.opened for addr, kept in self._held.items()}
+
+
+class _Kept:
+    """One upstream's kept connection: checked out by one probe at a time. ``_mu`` guards
+    the fields for a moment and never a socket call; the socket is out of the holder
+    while a probe uses it, so :meth:`retire` never closes it under that probe, and the
+    probe closes it when it hands it back to a retired holder."""
+
+    def __init__(self, *, keep: bool = True) -> None:
+        self._mu = threading.Lock()
+        self._busy = False
+        self._retired = not keep
+        self._tls: ssl.SSLSocket | None = None
+        self._key = b""
+        self.opened = 0  # written by the probe holding it, read by the metrics
+
+    def checkout(self) -> bool:
+        with self._mu:
+            if self._busy:
+                return False
+            self._busy = True
+            return True
+
+    def checkin(self) -> None:
+        with self._mu:
+            self._busy = False
+
+    def add_opened(self, n: int) -> None:
+        with self._mu:
+            self.opened += n
+
+    def take(self, key: bytes) -> ssl.SSLSocket | None:
+        """The kept connection if it was opened with the credential files whose digest
+        is ``key`` and looks alive; otherwise None (a stale one is closed)."""
+        with self._mu:
+            tls, self._tls = self._tls, None
+            same = self._key == key
+        if tls is None:
+            return None
+        if same and _idle_and_open(tls):
+            return tls
+        tls.close()
+        return None
+
+    def put(self, tls: ssl.SSLSocket, key: bytes) -> None:
+        with self._mu:
+            if not self._retired:
+                self._tls, self._key = tls, key
+                return
+        tls.close()
+
+    def discard(self) -> None:
+        with self._mu:
+            tls, self._tls = self._tls, None
+        if tls is not None:
+            tls.close()
+
+    def retire(self) -> None:
+        with self._mu:
+            self._retired = True
+            tls, self._tls = self._tls, None
+        if tls is not None:
+            tls.close()
+
+
+def _idle_and_open(tls: ssl.SSLSocket) -> bool:
+    """An idle kept connection has nothing to read: anything readable is the server's
+    close (close_notify, FIN, reset) or bytes nobody asked for, either way not reusable."""
+    try:
+        if tls.pending():
+            return False
+        poller = select.poll()  # not select(): a busy proxy's descriptors pass 1024
+        poller.register(tls.fileno(), select.POLLIN | select.POLLPRI)
+        return not poller.poll(0)
+    except (OSError, ValueError):
+        return False
 
 
 # --- TCP ---------------------------------------------------------------------
@@ -313,19 +470,19 @@ def _short(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _readyz(sock: socket.socket, settings: ReadyzSettings, deadline: _Deadline) -> None:
-    """Raise _ProbeFailed with the reason unless GET /readyz answers 200."""
-    ctx = _ssl_context(settings)
-    token = _read_token(settings.token_file) if settings.token_file else ""
+def _request(settings: ReadyzSettings, token: str, *, keep_alive: bool) -> bytes:
     host = settings.server_name
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 literal, bracketed as RFC 9110 7.2 requires
+    connection = "keep-alive" if keep_alive else "close"
     request = (f"GET /readyz HTTP/1.1\r\nHost: {host}\r\n"
-               "User-Agent: extractedprism-probe\r\nAccept: */*\r\nConnection: close\r\n")
+               f"User-Agent: extractedprism-probe\r\nAccept: */*\r\nConnection: {connection}\r\n")
     if token:
         request += f"Authorization: Bearer {token}\r\n"
-    payload = (request + "\r\n").encode("latin-1", "replace")  # token: ASCII, checked
-    del token, request
+    return (request + "\r\n").encode("latin-1", "replace")  # token: ASCII, checked
+
+
+def _check_server_name(settings: ReadyzSettings) -> None:
     try:
         # wrap_socket() takes over the socket before it encodes the name, and leaks it
         # when that fails: find out first.
@@ -333,16 +490,13 @@ def _readyz(sock: socket.socket, settings: ReadyzSettings, deadline: _Deadline) 
     except UnicodeError as exc:
         raise _ProbeFailed(f"invalid server name {settings.server_name!r}: "
                            f"{exc.__cause__ or exc}") from None
-    tls: ssl.SSLSocket | None = None
+
+
+@contextlib.contextmanager
+def _tls_failures() -> Iterator[None]:
+    """Turn what a TLS exchange raises into the probe's short reason."""
     try:
-        sock.settimeout(deadline.remaining())
-        tls = ctx.wrap_socket(sock, server_hostname=settings.server_name,
-                              do_handshake_on_connect=False)
-        tls.settimeout(deadline.remaining())
-        tls.do_handshake()
-        tls.settimeout(deadline.remaining())
-        tls.sendall(payload)
-        status = _read_status(tls, deadline)
+        yield
     except ssl.SSLCertVerificationError as exc:
         raise _ProbeFailed(f"TLS verify failed: {exc.verify_message or _short(exc)}") from None
     except TimeoutError:
@@ -351,6 +505,37 @@ def _readyz(sock: socket.socket, settings: ReadyzSettings, deadline: _Deadline) 
         raise _ProbeFailed(f"TLS error: {_short(exc)}") from None
     except OSError as exc:
         raise _ProbeFailed(_os_reason(exc)) from None
+
+
+def _handshake(ctx: ssl.SSLContext, sock: socket.socket, settings: ReadyzSettings,
+               deadline: _Deadline) -> ssl.SSLSocket:
+    sock.settimeout(deadline.remaining())
+    tls = ctx.wrap_socket(sock, server_hostname=settings.server_name,
+                          do_handshake_on_connect=False)
+    try:
+        tls.settimeout(deadline.remaining())
+        tls.do_handshake()
+    except BaseException:
+        tls.close()
+        raise
+    return tls
+
+
+def _readyz(sock: socket.socket, settings: ReadyzSettings, deadline: _Deadline) -> None:
+    """One-shot: raise _ProbeFailed with the reason unless GET /readyz, on a new TLS
+    connection over ``sock`` that is closed afterwards, answers 200."""
+    ctx = _ssl_context(settings)
+    token = _read_token(settings.token_file) if settings.token_file else ""
+    payload = _request(settings, token, keep_alive=False)
+    del token
+    _check_server_name(settings)
+    tls: ssl.SSLSocket | None = None
+    try:
+        with _tls_failures():
+            tls = _handshake(ctx, sock, settings, deadline)
+            tls.settimeout(deadline.remaining())
+            tls.sendall(payload)
+            status = _read_head(_Reader(tls, deadline)).status
     finally:
         if tls is not None:
             tls.close()  # no close_notify round trip: the deadline may be spent
@@ -358,26 +543,256 @@ def _readyz(sock: socket.socket, settings: ReadyzSettings, deadline: _Deadline) 
         raise _ProbeFailed(f"HTTP {status}")
 
 
-def _read_status(tls: ssl.SSLSocket, deadline: _Deadline) -> int:
-    """The status of a complete response head; the body is never read, so a huge or
-    dripping body costs nothing. A head cut off by a close or reset fails the probe,
+def _readyz_kept(endpoint: Endpoint, sock: socket.socket, settings: ReadyzSettings,
+                 deadline: _Deadline, kept: _Kept) -> None:
+    """GET /readyz on the upstream's kept connection (or a new one, then kept).
+
+    ``sock`` is the TCP check's connection: closed unused when a kept connection is
+    there, the new TLS connection's socket otherwise. A kept connection that turns out
+    closed by the server before any byte of the answer (an API server closing idle
+    connections, which is no failure) is replaced by a new one once, within the same
+    deadline; one that does not answer in time fails the probe and is closed, so the next
+    probe opens a new one. Any answer not framed exactly (Content-Length or chunked, the
+    body within a bound) leaves nothing kept.
+    """
+    try:
+        files = _files_digest(settings)
+        token = _read_token(settings.token_file) if settings.token_file else ""
+    except _ProbeFailed:
+        kept.discard()  # a credential gone or broken: what it opened goes too
+        raise
+    key = hashlib.sha256(files + b"\0" + token.encode()).digest()
+    payload = _request(settings, token, keep_alive=True)
+    del token
+    _check_server_name(settings)
+    tls = kept.take(key)
+    if tls is not None:
+        sock.close()  # the TCP check was a connect of its own
+    ctx: ssl.SSLContext | None = None
+    try:
+        with _tls_failures():
+            while True:
+                reused = tls is not None
+                if tls is None:
+                    if ctx is None:
+                        ctx = _ssl_context(settings)  # re-reads the files checked above
+                    if sock.fileno() < 0:  # closed for a kept one that turned out dead
+                        sock = _connect(endpoint, deadline)
+                    kept.add_opened(1)  # the server's cost: counted, handshake or not
+                    tls = _handshake(ctx, sock, settings, deadline)
+                try:
+                    response = _exchange(tls, payload, deadline, reused=reused)
+                except _Stale:
+                    tls.close()
+                    tls = None
+                    continue
+                break
+        if response.reusable:
+            kept.put(tls, key)
+            tls = None
+    finally:
+        if tls is not None:
+            tls.close()
+        sock.close()  # a no-op once the TLS connection took the socket over
+    if response.status != 200:
+        raise _ProbeFailed(f"HTTP {response.status}")
+
+
+def _files_digest(settings: ReadyzSettings) -> bytes:
+    """A digest of the CA bundle, client certificate and key as they are now: a kept
+    connection made with other contents is replaced. Read in full every probe (a few KiB),
+    so a rewrite within one mtime tick is seen too."""
+    h = hashlib.sha256()
+    files = [(settings.ca_file, "CA file")]
+    if settings.cert_file:
+        files.append((settings.cert_file, "client certificate"))
+        if settings.key_file and settings.key_file != settings.cert_file:
+            files.append((settings.key_file, "client key"))
+    for path, what in files:
+        _check_file(path, what)
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read(_MAX_DIAGNOSE_BYTES + 1)
+                st = os.fstat(fh.fileno())
+        except FileNotFoundError:
+            raise _ProbeFailed(f"{what} missing: {path}") from None
+        except OSError as exc:
+            raise _ProbeFailed(f"{what} unreadable: {path}: {_short(exc)}") from None
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        h.update(hashlib.sha256(data).digest())
+    return h.digest()
+
+
+class _Stale(Exception):
+    """Internal: a reused kept connection was closed by the server before any byte of
+    the answer; a new connection may take its place within the same deadline."""
+
+
+# A readyz answer is a few bytes ("ok") up to a verbose list of checks: a bigger body is
+# not kept around for, the connection is closed instead.
+_MAX_BODY = 64 * 1024
+_NO_BODY = frozenset({204, 304})
+_HEX = b"0123456789abcdefABCDEF"
+
+
+@dataclass(frozen=True)
+class _Response:
+    status: int
+    reusable: bool  # framed exactly, read to its end, and the server keeps it open
+
+
+@dataclass(frozen=True)
+class _Head:
+    version: bytes
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...] | None  # None: not parseable as fields
+    rest: bytes  # bytes read past the head
+
+
+class _Reader:
+    """Buffered reads from a TLS socket, each bounded by the deadline."""
+
+    def __init__(self, tls: ssl.SSLSocket, deadline: _Deadline) -> None:
+        self.tls = tls
+        self.deadline = deadline
+        self.buf = b""
+        self.received = 0
+
+    def fill(self) -> bool:
+        """Read more; False at EOF."""
+        self.tls.settimeout(self.deadline.remaining())
+        chunk = self.tls.recv(16384)
+        self.received += len(chunk)
+        self.buf += chunk
+        return bool(chunk)
+
+
+def _exchange(tls: ssl.SSLSocket, payload: bytes, deadline: _Deadline, *, reused: bool
+              ) -> _Response:
+    reader = _Reader(tls, deadline)
+    try:
+        tls.settimeout(deadline.remaining())
+        tls.sendall(payload)
+        head = _read_head(reader)
+    except (ConnectionResetError, BrokenPipeError, ssl.SSLEOFError, ssl.SSLZeroReturnError):
+        if reused and reader.received == 0:
+            raise _Stale from None
+        raise
+    except _ProbeFailed as exc:
+        if reused and reader.received == 0 and str(exc) == _CLOSED_BEFORE_RESPONSE:
+            raise _Stale from None
+        raise
+    try:
+        reusable = _read_body(reader, head)
+    except (_ProbeFailed, OSError):
+        reusable = False  # the status stands; the connection is not kept
+    return _Response(head.status, reusable)
+
+
+_CLOSED_BEFORE_RESPONSE = "connection closed before response"
+
+
+def _read_head(reader: _Reader) -> _Head:
+    """A complete response head. A head cut off by a close or reset fails the probe,
     like an HTTP client would, instead of passing on a bare status line."""
-    buf = b""
     status: int | None = None
     while True:
+        buf = reader.buf
         if status is None and b"\n" in buf:
             status = _parse_status(buf.split(b"\n", 1)[0].rstrip(b"\r"))
-        if status is not None and _HEAD_END.search(buf):
-            return status
+        if status is not None:
+            end = _HEAD_END.search(buf)
+            if end is not None:
+                return _parse_head(buf[:end.start()], status, buf[end.end():])
         if len(buf) > _MAX_HEAD:
             raise _ProbeFailed("malformed response: status line too long" if status is None
                                else "malformed response: headers too long")
-        tls.settimeout(deadline.remaining())
-        chunk = tls.recv(16384)
-        if not chunk:
-            raise _ProbeFailed("connection closed before response" if not buf
+        if not reader.fill():
+            raise _ProbeFailed(_CLOSED_BEFORE_RESPONSE if not buf
                                else "connection closed before end of response headers")
-        buf += chunk
+
+
+def _parse_head(head: bytes, status: int, rest: bytes) -> _Head:
+    lines = head.split(b"\n")
+    version = lines[0].split(None, 1)[0]
+    fields: list[tuple[bytes, bytes]] = []
+    for raw in lines[1:]:
+        line = raw.rstrip(b"\r")
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip() or line[:1] in (b" ", b"\t"):
+            return _Head(version, status, None, rest)  # folded or broken: decide, not keep
+        fields.append((name.lower(), value.strip()))
+    return _Head(version, status, tuple(fields), rest)
+
+
+def _read_body(reader: _Reader, head: _Head) -> bool:
+    """Read the body to its exact end; True when the connection can carry the next probe."""
+    if head.headers is None or head.version != b"HTTP/1.1" or head.status < 200:
+        return False
+    values: dict[bytes, list[bytes]] = {}
+    for name, value in head.headers:
+        values.setdefault(name, []).append(value)
+    tokens = {t.strip().lower() for v in values.get(b"connection", ()) for t in v.split(b",")}
+    if b"close" in tokens:
+        return False
+    reader.buf = head.rest
+    if head.status in _NO_BODY:
+        return not reader.buf
+    if b"transfer-encoding" in values:
+        codings = [t.strip().lower() for v in values[b"transfer-encoding"] for t in v.split(b",")]
+        if codings != [b"chunked"] or b"content-length" in values:
+            return False
+        return _read_chunked(reader)
+    lengths = {v for v in values.get(b"content-length", ())}
+    if len(lengths) != 1:
+        return False  # none: the body runs to the close; several: ambiguous
+    text = lengths.pop()
+    if not text.isdigit() or int(text) > _MAX_BODY:
+        return False
+    n = int(text)
+    while len(reader.buf) < n:
+        if not reader.fill():
+            return False
+    return len(reader.buf) == n  # more than the body: bytes nobody asked for
+
+
+def _read_chunked(reader: _Reader) -> bool:
+    total = 0
+    while True:
+        line = _read_line(reader)
+        if line is None:
+            return False
+        size_text = line.split(b";", 1)[0].strip()
+        if not size_text or len(size_text) > 8 or size_text.strip(_HEX):
+            return False  # int(x, 16) would also take "0x", "+" and "_"
+        size = int(size_text, 16)
+        total += size
+        if total > _MAX_BODY:
+            return False
+        if size == 0:
+            break
+        while len(reader.buf) < size + 2:
+            if not reader.fill():
+                return False
+        if reader.buf[size:size + 2] != b"\r\n":
+            return False
+        reader.buf = reader.buf[size + 2:]
+    while True:  # trailer fields, then the empty line
+        line = _read_line(reader)
+        if line is None:
+            return False
+        if not line:
+            return not reader.buf
+
+
+def _read_line(reader: _Reader) -> bytes | None:
+    """One CRLF-terminated line (without it) off the buffer; None on EOF or an over-long
+    line."""
+    while b"\r\n" not in reader.buf:
+        if len(reader.buf) > 4096 or not reader.fill():
+            return None
+    line, reader.buf = reader.buf.split(b"\r\n", 1)
+    return line
 
 
 def _parse_status(line: bytes) -> int:

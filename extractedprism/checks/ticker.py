@@ -14,16 +14,29 @@ the ticker itself never blocks on a socket. Drain and readiness deadlines are ex
 by :meth:`Registry.tick`, so the ticker wakes at whichever comes first: the next due
 probe, the next deadline, an explicit :meth:`wake`, or the liveness interval (so the
 heartbeat can see that this loop still turns).
+
+The schedule is spread so that the nodes of a DaemonSet, started together or aligned by
+one event (an API server coming back makes every node check it at once), do not probe
+in step: an upstream's first check runs at once (the spec's readiness gate), the second
+one a random phase of up to one interval later, and every later round is shortened by a
+random fraction of up to ``jitter`` (5 %) of the interval, so the gaps stay within the
+configured interval and drift apart from node to node. The confirming check after a
+failure (--health-recheck) and a check asked for now are not jittered.
+
+With readyz, the ticker owns the probes' kept-alive connections
+(:class:`~extractedprism.checks.probes.ProbeConnections`): those of upstreams it no
+longer checks are closed each turn, all of them when the loop stops.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
 
-from extractedprism.checks.probes import Prober, ReadyzSettings, probe
+from extractedprism.checks.probes import ProbeConnections, Prober, ReadyzSettings, probe
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.threads import join_until
 from extractedprism.upstreams.effects import Change
@@ -32,12 +45,27 @@ from extractedprism.upstreams.registry import Registry
 log = logging.getLogger(__name__)
 
 
+# The share of the interval by which each round is shortened at most (see above).
+JITTER = 0.05
+
+
+def next_gap(interval: float, rng: random.Random, *, first: bool,
+             jitter: float = JITTER) -> float:
+    """Seconds from one check of an upstream to its next: a random phase in
+    [0, interval) after its first check, interval shortened by up to ``jitter`` of it,
+    in (interval * (1 - jitter), interval], after every other."""
+    if first:
+        return interval * rng.random()
+    return interval * (1.0 - jitter * rng.random())
+
+
 class Ticker:
     def __init__(self, registry: Registry, *, interval: float, timeout: float,
                  readyz: ReadyzSettings | None, stop: threading.Event,
                  recheck: float | None = None,
                  max_wait: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 prober: Prober = probe) -> None:
+                 prober: Prober = probe, connections: ProbeConnections | None = None,
+                 rng: random.Random | None = None, jitter: float = JITTER) -> None:
         self._registry = registry
         self._interval = interval
         self._recheck = interval if recheck is None else min(recheck, interval)
@@ -47,9 +75,13 @@ class Ticker:
         self._max_wait = max_wait
         self._clock = clock
         self._prober = prober
+        self._connections = connections
+        self._rng = rng or random.Random()
+        self._jitter = jitter
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._next: dict[str, float] = {}
+        self._phased: set[str] = set()  # upstreams past their first check (guarded by _lock)
         self._in_flight: dict[str, threading.Thread] = {}
         self._stall_due: set[str] = set()  # the next check of these is a stall check
         self._thread: threading.Thread | None = None
@@ -119,20 +151,25 @@ class Ticker:
                           if x is not None)
             self._wake.wait(max(0.0, wake_at - self._clock()))
             self._wake.clear()
+        if self._connections is not None:
+            self._connections.close()
         log.debug("ticker stopped")
 
     def _schedule(self, now: float) -> float | None:
         targets = {str(ep): ep for ep in self._registry.probe_targets()}
+        if self._connections is not None:
+            self._connections.retain(targets)
         due: list[Endpoint] = []
         with self._lock:
             for addr in list(self._next):
                 if addr not in targets:
                     del self._next[addr]
+            self._phased &= targets.keys()
             for addr, ep in targets.items():
                 at = self._next.setdefault(addr, now)
                 if at <= now and addr not in self._in_flight:
                     due.append(ep)
-                    self._next[addr] = now + self._interval
+                    self._next[addr] = now + self._gap(addr)
             for ep in due:
                 stall = str(ep) in self._stall_due
                 self._stall_due.discard(str(ep))
@@ -144,6 +181,11 @@ class Ticker:
         for ep in due:
             self._in_flight[str(ep)].start()
         return min(pending) if pending else None
+
+    def _gap(self, addr: str) -> float:
+        first = addr not in self._phased
+        self._phased.add(addr)
+        return next_gap(self._interval, self._rng, first=first, jitter=self._jitter)
 
     def _probe_one(self, ep: Endpoint, started: float, stall: bool = False) -> None:
         addr = str(ep)

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 # RFC 1123 label: letters, digits and hyphens, not starting or ending with a hyphen,
 # at most 63 characters; the whole name at most 253 characters.
-_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+# \Z, not $: "$" also matches before a final newline, which no hostname has.
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
+# A URL's scheme: "https://10.0.0.1:6443" is a common paste from a kubeconfig.
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def is_ip(text: str) -> bool:
@@ -101,6 +104,13 @@ def parse_endpoint(text: str) -> Endpoint:
     raw = text.strip()
     if not raw:
         raise ValueError("empty endpoint")
+    scheme = _SCHEME.match(raw)
+    if scheme:
+        # Before the IPv6 rule, which "https://h:6443" would otherwise trip over.
+        rest = raw[scheme.end():].split("/", 1)[0]
+        hint = f", e.g. {rest}" if rest else ""
+        raise ValueError(f"{raw!r}: a URL scheme ({scheme.group(1)}://) is not allowed: "
+                         f"write host:port{hint}")
     if raw.startswith("["):
         close = raw.find("]")
         if close == -1 or not raw[close + 1 :].startswith(":"):

@@ -170,6 +170,8 @@ class Flag:
     same_as: str = ""
     # Unset (or blank) is this error instead of a default.
     required: str = ""
+    # The --help section it is listed in: a key of table.GROUPS.
+    group: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -207,6 +209,8 @@ class Rule:
     message: Message
 
 
-def show_value(flag: Flag, raw: str) -> str:
-    """How a message names a flag: ``--flag (value)``, or ``--flag`` for a blank one."""
-    return f"{flag.option} ({raw})" if raw.strip() else flag.option
+def show_value(flag: Flag, raw: str, name: str = "") -> str:
+    """How a message names a setting: ``--flag (value)``, or ``--flag`` for a blank one;
+    ``name`` instead of the option when the value came from elsewhere (``EP_FLAG``)."""
+    name = name or flag.option
+    return f"{name} ({raw})" if raw.strip() else name

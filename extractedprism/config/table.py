@@ -67,6 +67,13 @@ def gil_cpu_valid(value: str) -> bool:
     return allowed is None or int(value) in allowed
 
 
+# 0 (off) or at most a minute: a client-go client gives up on its TLS handshake after 10 s,
+# so a longer delay would never fire; the bound also keeps it within the native relay's
+# millisecond timeout (a C int: about 596 hours).
+ANSWER_HEDGE_DELAY_MAX = 60.0
+ANSWER_HEDGE_DELAY = Check(lambda v: 0 <= v <= ANSWER_HEDGE_DELAY_MAX,
+                           "must be between 0 (off) and 60s")
+
 # 0 (off) or long enough that one close per interval stays gentle.
 REBALANCE_INTERVAL = Check(lambda v: v == 0 or v >= 0.1, "must be 0 (off) or at least 100ms")
 # 0 (off) or long enough that the sampling (a quarter of it) stays cheap and an ordinary
@@ -84,14 +91,40 @@ class ConfigError(Error, ValueError):
 
 # --- the flag table ----------------------------------------------------------
 
+# The sections of --help, in order: key -> (title, what the flags in it are for). A row of
+# FLAGS names its section in ``group``; tests/unit/test_help.py fails for a row without one.
+GROUPS: dict[str, tuple[str, str]] = {
+    "listener": ("listener", "Where the proxy and its health server listen, and how many "
+                 "connections the proxy takes."),
+    "upstreams": ("upstreams and discovery", "Which API servers to forward to, and how the "
+                  "list is kept current (static endpoints, EndpointSlices, a state file)."),
+    "health": ("health checks", "How each upstream is probed, and when it counts as healthy "
+               "(tcp) or ready (readyz)."),
+    "selection": ("selection and balance", "How a new connection picks its upstream, and "
+                  "how load is evened out over time."),
+    "datapath": ("data path", "How connections to upstreams are dialled and their bytes "
+                 "copied."),
+    "lifecycle": ("lifecycle", "Draining, liveness, shutdown and upgrades without a gap."),
+    "operator": ("operator", "Logs and runtime control."),
+}
+
+# The flags of the spec's configuration table, in its order: listed first in their section.
+SPEC_FLAGS = (
+    "bind-address", "bind-port", "health-port", "health-bind-address", "endpoints",
+    "health-interval", "health-timeout", "enable-discovery", "log-level", "liveness-interval",
+    "liveness-threshold", "drain-timeout", "upstream-selection", "health-check",
+    "health-check-ca-file", "health-check-cert-file", "health-check-key-file",
+    "health-check-token-file", "health-check-server-name",
+)
+
 
 FLAGS: tuple[Flag, ...] = (
     Flag("bind-address", "str", "127.0.0.1", "Address for the TCP load balancer listener",
-         checks=(HOST,)),
+         checks=(HOST,), group="listener"),
     Flag("bind-port", "int", "7445", "Port for the TCP load balancer listener",
-         checks=(PORT,)),
+         checks=(PORT,), group="listener"),
     Flag("health-port", "int", "7446", "Port for the health check HTTP server",
-         checks=(PORT,)),
+         checks=(PORT,), group="listener"),
     Flag(
         "health-bind-address",
         "str",
@@ -99,15 +132,16 @@ FLAGS: tuple[Flag, ...] = (
         "Address for the health check HTTP server (default: same as --bind-address)",
         checks=(HOST,),
         same_as="bind-address",
+        group="listener",
     ),
     Flag("endpoints", "endpoints", None, "Comma-separated API server endpoints (host:port)",
          checks=(NOT_EMPTY,),
          required="--endpoints is required: give a comma-separated list of API server "
-         "host:port pairs"),
+         "host:port pairs", group="upstreams"),
     Flag("health-interval", "duration", "20s", "Interval between upstream health checks",
-         checks=(AT_LEAST_1S,)),
+         checks=(AT_LEAST_1S,), group="health"),
     Flag("health-timeout", "duration", "15s", "Timeout for each upstream health check",
-         checks=(AT_LEAST_1S,)),
+         checks=(AT_LEAST_1S,), group="health"),
     Flag(
         "health-recheck",
         "duration",
@@ -118,17 +152,20 @@ FLAGS: tuple[Flag, ...] = (
         "two failures in a row still exclude (default: same as --health-interval)",
         checks=(AT_LEAST_1S,),
         same_as="health-interval",
+        group="health",
     ),
-    Flag("enable-discovery", "bool", "true", "Enable Kubernetes EndpointSlice discovery"),
-    Flag("log-level", "choice", "info", "Log level", LOG_LEVELS),
+    Flag("enable-discovery", "bool", "true", "Enable Kubernetes EndpointSlice discovery",
+         group="upstreams"),
+    Flag("log-level", "choice", "info", "Log level", LOG_LEVELS, group="operator"),
     Flag("liveness-interval", "duration", "5s", "Heartbeat probe interval for liveness detection",
-         checks=(AT_LEAST_1S,)),
+         checks=(AT_LEAST_1S,), group="lifecycle"),
     Flag(
         "liveness-threshold",
         "duration",
         "15s",
         "Maximum time since last heartbeat before liveness fails",
         checks=(AT_LEAST_1S,),
+        group="lifecycle",
     ),
     Flag(
         "drain-timeout",
@@ -137,6 +174,7 @@ FLAGS: tuple[Flag, ...] = (
         "Grace period for connections to removed endpoints, and with readyz to unready ones "
         "while another upstream is ready, before force close (0 closes immediately)",
         checks=(NOT_NEGATIVE,),
+        group="lifecycle",
     ),
     Flag(
         "unready-drain-timeout",
@@ -148,6 +186,7 @@ FLAGS: tuple[Flag, ...] = (
         "--drain-timeout)",
         checks=(NOT_NEGATIVE,),
         same_as="drain-timeout",
+        group="lifecycle",
     ),
     Flag(
         "upstream-selection",
@@ -156,6 +195,7 @@ FLAGS: tuple[Flag, ...] = (
         "How new connections pick an upstream: random (uniform among pickable upstreams), "
         "latency (prefer the lowest-latency tier) or least-conn (fewest active connections)",
         SELECTION_MODES,
+        group="selection",
     ),
     Flag(
         "rebalance-interval",
@@ -167,6 +207,7 @@ FLAGS: tuple[Flag, ...] = (
         "reconnects and is picked again); never while an upstream drains or closes for "
         "readiness, nor in panic mode (0: off)",
         checks=(REBALANCE_INTERVAL,),
+        group="selection",
     ),
     Flag(
         "rebalance-quiet",
@@ -175,6 +216,7 @@ FLAGS: tuple[Flag, ...] = (
         "A connection rebalancing may close has moved no byte either way for at least this "
         "long (the longest quiet first), and is at least one --rebalance-interval old",
         checks=(NOT_NEGATIVE,),
+        group="selection",
     ),
     Flag(
         "slow-start",
@@ -185,6 +227,7 @@ FLAGS: tuple[Flag, ...] = (
         "picks by weight, least-conn compares connections / weight, latency weighs inside "
         "the tier, rebalancing shares by weight (0: off)",
         checks=(NOT_NEGATIVE,),
+        group="selection",
     ),
     Flag(
         "stall-timeout",
@@ -198,6 +241,7 @@ FLAGS: tuple[Flag, ...] = (
         "while another serves, its connections stalled then are closed at once, the "
         "others keep --unready-drain-timeout (0: off)",
         checks=(STALL_TIMEOUT,),
+        group="health",
     ),
     Flag(
         "health-check",
@@ -206,33 +250,40 @@ FLAGS: tuple[Flag, ...] = (
         "Upstream health check: tcp (connect only) or readyz (connect, then prefer upstreams "
         "answering 200 on GET /readyz)",
         HEALTH_CHECKS,
+        group="health",
     ),
     Flag(
         "health-check-ca-file",
         "path",
         "",
         "CA bundle that verifies the upstream serving certificates; required with readyz",
+        group="health",
     ),
-    Flag("health-check-cert-file", "path", "", "Client certificate for the readyz probe"),
+    Flag("health-check-cert-file", "path", "", "Client certificate for the readyz probe",
+         group="health"),
     Flag(
         "health-check-key-file",
         "path",
         "",
         "Client key for the readyz probe; may be the same file as the certificate",
+        group="health",
     ),
-    Flag("health-check-token-file", "path", "", "Bearer token for the readyz probe"),
+    Flag("health-check-token-file", "path", "", "Bearer token for the readyz probe",
+         group="health"),
     Flag(
         "health-check-server-name",
         "str",
         "kubernetes.default.svc",
         "Name the upstream serving certificates are verified against",
         checks=(NOT_EMPTY,),
+        group="health",
     ),
     Flag(
         "kubeconfig",
         "path",
         "",
         "Kubeconfig for EndpointSlice discovery outside a cluster (default: in-cluster config)",
+        group="upstreams",
     ),
     Flag(
         "max-connections",
@@ -240,6 +291,7 @@ FLAGS: tuple[Flag, ...] = (
         "4096",
         "Maximum concurrent proxied connections; at the limit new clients wait in the backlog",
         checks=(AT_LEAST_1,),
+        group="listener",
     ),
     Flag(
         "pipe-sched",
@@ -249,6 +301,7 @@ FLAGS: tuple[Flag, ...] = (
         "unchanged: a woken pipe thread does not preempt the one holding the GIL, which "
         "saves most context switches) or normal (SCHED_OTHER)",
         PIPE_SCHED_POLICIES,
+        group="datapath",
     ),
     Flag(
         "gil-cpu",
@@ -259,6 +312,7 @@ FLAGS: tuple[Flag, ...] = (
         "CPU after a few relay wake-ups. auto: the highest CPU this process may use, when it "
         "may use two or more; off: no pinning; or a CPU number",
         checks=(Check(gil_cpu_valid, "must be auto, off, or a CPU this process may run on"),),
+        group="datapath",
     ),
     Flag(
         "relay",
@@ -268,6 +322,7 @@ FLAGS: tuple[Flag, ...] = (
         "connection with the GIL released), python (the pure-Python poll loop) or auto "
         "(native when the extension loads, else python); native exits 2 when it cannot load",
         RELAYS,
+        group="datapath",
     ),
     Flag(
         "dial-hedge-delay",
@@ -277,6 +332,7 @@ FLAGS: tuple[Flag, ...] = (
         "pickable upstream too and keep the first to connect (the slower dial still runs to "
         "its end and counts); 0 turns hedging off",
         checks=(NOT_NEGATIVE,),
+        group="datapath",
     ),
     Flag(
         "answer-hedge-delay",
@@ -286,8 +342,9 @@ FLAGS: tuple[Flag, ...] = (
         "within this delay sends the same ClientHello to one other pickable upstream too, "
         "and the first to answer carries the connection (the other is closed once it "
         "answers, or counts as a failed dial if it never does within --health-timeout); "
-        "only a complete ClientHello is ever sent twice; 0 turns this off",
-        checks=(NOT_NEGATIVE,),
+        "only a complete ClientHello is ever sent twice; 0 turns this off; at most 60s",
+        checks=(ANSWER_HEDGE_DELAY,),
+        group="datapath",
     ),
     Flag(
         "handover-socket",
@@ -296,6 +353,7 @@ FLAGS: tuple[Flag, ...] = (
         "Unix socket for upgrades without a gap: a running instance offers its listening "
         "sockets there, and an instance that starts while one runs takes them over "
         "(empty: off)",
+        group="lifecycle",
     ),
     Flag(
         "shutdown-drain-timeout",
@@ -304,6 +362,7 @@ FLAGS: tuple[Flag, ...] = (
         "On SIGTERM, stop accepting but keep existing connections, closing them spread "
         "evenly over this window before the shutdown (0: close them at once)",
         checks=(NOT_NEGATIVE,),
+        group="lifecycle",
     ),
     Flag(
         "state-file",
@@ -311,6 +370,7 @@ FLAGS: tuple[Flag, ...] = (
         "",
         "File that keeps the endpoints discovery last found, read at start as the 'cache' "
         "provider until discovery produces its first list (empty: off)",
+        group="upstreams",
     ),
     Flag(
         "static-endpoints",
@@ -319,6 +379,7 @@ FLAGS: tuple[Flag, ...] = (
         "always: --endpoints are always upstreams; fallback: once discovery has produced a "
         "list, static endpoints it lacks are kept only as a last resort (panic mode)",
         STATIC_ENDPOINT_MODES,
+        group="upstreams",
     ),
     Flag(
         "log-format",
@@ -327,14 +388,16 @@ FLAGS: tuple[Flag, ...] = (
         "Log line format on stderr: logfmt (key=value, one record per line) or json (one "
         "object per line)",
         LOG_FORMATS,
+        group="operator",
     ),
     Flag(
         "admin-socket",
         "path",
         "",
         "Unix socket for runtime control (`extractedprism admin`: drain, undrain, close, "
-        "list), created with mode 0600 so only this user and root can use it; never a TCP "
-        "port (empty: off)",
+        "list, rebalance), created with mode 0600 so only this user and root can use it; "
+        "never a TCP port (empty: off)",
+        group="operator",
     ),
 )
 
@@ -368,10 +431,13 @@ def _threshold_above_interval(v: Mapping[str, Any], show: Callable[[str], str]) 
     return f"{show('liveness_threshold')} must be greater than {show('liveness_interval')}"
 
 
+READYZ_NEEDS_CA = "--health-check=readyz requires --health-check-ca-file"
+
+
 def _readyz_needs_ca(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
     if v["health_check"] != "readyz" or v["health_check_ca_file"]:
         return None
-    return "--health-check=readyz requires --health-check-ca-file"
+    return READYZ_NEEDS_CA
 
 
 def _cert_and_key(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
@@ -442,12 +508,16 @@ def _make_config() -> type:
 Config: Any = _make_config()
 
 
-def validate(values: Mapping[str, str | None]) -> Config:
+def validate(values: Mapping[str, str | None],
+             names: Mapping[str, str] | None = None) -> Config:
     """Convert and check raw flag strings (keyed by dest); raise ConfigError with all problems.
 
     A flag whose value does not convert yields one message and is left out of every
-    rule, so one bad value never cascades into several messages.
+    rule, so one bad value never cascades into several messages. ``names`` (dest -> name)
+    says where a value came from when it was not the flag (``EP_DRAIN_TIMEOUT``): messages
+    then name what the user wrote.
     """
+    names = names or {}
     problems: list[str] = []
     out: dict[str, object] = {}
     raw: dict[str, str] = {}
@@ -469,11 +539,12 @@ def validate(values: Mapping[str, str | None]) -> Config:
         try:
             converted = KINDS[flag.kind](flag, value)
         except ValueError as exc:
-            problems.append(f"{show_value(flag, value)} is invalid: {exc}")
+            problems.append(f"{show_value(flag, value, names.get(flag.dest, ''))} is "
+                            f"invalid: {exc}")
             continue
         out[flag.dest] = converted
-        problems.extend(f"{show_value(flag, value)} {c.text}" for c in flag.checks
-                        if not c.ok(converted))
+        problems.extend(f"{show_value(flag, value, names.get(flag.dest, ''))} {c.text}"
+                        for c in flag.checks if not c.ok(converted))
 
     for flag in derived:
         source = FLAG_BY_NAME[flag.same_as].dest
@@ -481,7 +552,7 @@ def validate(values: Mapping[str, str | None]) -> Config:
             out[flag.dest], raw[flag.dest] = out[source], raw[source]
 
     def show(dest: str) -> str:
-        return show_value(FLAG_BY_NAME[dest.replace("_", "-")], raw[dest])
+        return show_value(FLAG_BY_NAME[dest.replace("_", "-")], raw[dest], names.get(dest, ""))
 
     for rule in RULES:
         if all(f in out for f in rule.fields):
@@ -492,3 +563,37 @@ def validate(values: Mapping[str, str | None]) -> Config:
     if problems:
         raise ConfigError(problems)
     return Config(**out)
+
+
+# --- settings that do nothing in a configuration ------------------------------------
+
+# (dest, when it has no effect, why): a value given for it then earns one warning at start,
+# so a flag that is silently ignored never looks like it was applied.
+_READYZ_ONLY = "only the readyz check uses it, and --health-check is tcp"
+UNUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("rebalance_quiet", lambda c: c.rebalance_interval == 0,
+     "rebalancing is off: set --rebalance-interval to turn it on"),
+    *((dest, lambda c: c.health_check == "tcp", _READYZ_ONLY)
+      for dest in ("health_check_ca_file", "health_check_cert_file", "health_check_key_file",
+                   "health_check_token_file", "health_check_server_name")),
+    ("state_file", lambda c: not c.enable_discovery,
+     "discovery is off, and only discovery's lists are kept there"),
+    ("kubeconfig", lambda c: not c.enable_discovery, "discovery is off"),
+    ("static_endpoints", lambda c: not c.enable_discovery,
+     "discovery is off, so the static endpoints are the only ones"),
+)
+
+
+def unused_settings(values: Mapping[str, str | None], config: Any,
+                    names: Mapping[str, str] | None = None) -> list[str]:
+    """One line per setting given (non-blank, not its default: a chart or unit file that
+    spells out every default is not warned about) that this configuration never reads."""
+    names = names or {}
+    out = []
+    for dest, unused, why in UNUSED:
+        raw = values.get(dest)
+        flag = FLAG_BY_NAME[dest.replace("_", "-")]
+        if raw is None or not raw.strip() or raw == flag.default or not unused(config):
+            continue
+        out.append(f"{show_value(flag, raw, names.get(dest, ''))} has no effect: {why}")
+    return out

@@ -366,6 +366,12 @@ static int64_t now_ms(void) {
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
+/* A millisecond timeout from Python, held to what poll() takes: negative -> 0, more than
+ * an int -> INT_MAX (about 596 hours), never an OverflowError on every connection. */
+static int clamp_ms(long long ms) {
+    return ms < 0 ? 0 : ms > INT_MAX ? INT_MAX : (int)ms;
+}
+
 #define FIRST_MAX (16 * 1024) /* a TLS ClientHello is one record */
 
 /* What the first answer found (first_answer_nogil; proxy.py's first_answer.py says why). */
@@ -462,13 +468,15 @@ static PyObject *py_is_client_hello(PyObject *self, PyObject *args) {
 
 static PyObject *first_answer(PyObject *self, PyObject *args) {
     (void)self;
-    int cfd, ufd, timeout_ms;
+    int cfd, ufd;
+    long long timeout;
     Py_ssize_t sent = 0;
     PyObject *first;
-    if (!PyArg_ParseTuple(args, "iiiO|n:first_answer", &cfd, &ufd, &timeout_ms, &first,
+    if (!PyArg_ParseTuple(args, "iiLO|n:first_answer", &cfd, &ufd, &timeout, &first,
                           &sent) ||
         check_first(first, sent) < 0)
         return NULL;
+    int timeout_ms = clamp_ms(timeout);
     int have = first != Py_None;
     char *owned = NULL, *buf = first_buffer(first, &owned);
     if (buf == NULL) return PyErr_NoMemory();
@@ -514,15 +522,17 @@ static PyObject *take_first_fds(int cfd, int ufd) {
 
 static PyObject *judged_relay(PyObject *self, PyObject *args) {
     (void)self;
-    int cfd, ufd, p[4], timeout_ms, pin = 0, first_eof = 0;
+    int cfd, ufd, p[4], pin = 0, first_eof = 0;
+    long long timeout;
     Py_ssize_t sent = 0;
     Py_buffer counters;
     PyObject *first;
     struct half h[2];
-    if (!PyArg_ParseTuple(args, "ii(iiii)w*iO|in:judged_relay", &cfd, &ufd, &p[0], &p[1],
-                          &p[2], &p[3], &counters, &timeout_ms, &first, &pin, &sent) ||
+    if (!PyArg_ParseTuple(args, "ii(iiii)w*LO|in:judged_relay", &cfd, &ufd, &p[0], &p[1],
+                          &p[2], &p[3], &counters, &timeout, &first, &pin, &sent) ||
         setup(h, cfd, ufd, p, &counters, pin, &first_eof) < 0)
         return NULL;
+    int timeout_ms = clamp_ms(timeout);
     if (check_first(first, sent) < 0) {
         PyBuffer_Release(&counters);
         return NULL;

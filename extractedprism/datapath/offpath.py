@@ -53,17 +53,48 @@ class Reaper:
         self._stopped = False
 
     def adopt(self, item: Parked) -> None:
+        """Park ``item``. Never raises: where the thread or its wake-up pipe cannot be
+        had (out of descriptors, of threads), the item is dropped (closed, released, its
+        outcome not recorded), so a failure to park costs the client nothing."""
         with self._lock:
             if self._stopped:
-                item.drop()
+                self._drop(item)
                 return
-            if self._thread is None:
-                self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-                self._thread = threading.Thread(name=self._name, target=self._loop,
-                                                daemon=True)
-                self._thread.start()
+            if self._thread is None and not self._start_locked():
+                self._drop(item)
+                return
             self._new.append(item)
             self._poke_locked()
+
+    def _start_locked(self) -> bool:
+        """Start the thread (and its wake-up pipe); False when either cannot be had."""
+        try:
+            wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("cannot park a socket off the client's path; closing it "
+                        "reaper=%s error=%r", self._name, exc.strerror)
+            return False
+        thread = threading.Thread(name=self._name, target=self._loop, daemon=True)
+        self._wake_r, self._wake_w = wake
+        self._thread = thread
+        try:
+            thread.start()
+        except RuntimeError as exc:  # "can't start new thread"
+            self._thread = None
+            self._wake_r = self._wake_w = -1
+            os.close(wake[0])
+            os.close(wake[1])
+            log.warning("cannot park a socket off the client's path; closing it "
+                        "reaper=%s error=%r", self._name, str(exc))
+            return False
+        return True
+
+    @staticmethod
+    def _drop(item: Parked) -> None:
+        try:
+            item.drop()
+        except Exception:  # closing must never reach the client's path
+            log.exception("dropping a parked socket failed")
 
     def _poke_locked(self) -> None:
         # Under the lock: the loop closes the pipe under it too, so this never writes
@@ -81,7 +112,7 @@ class Reaper:
             self._stopped = True
             t = self._thread
             self._poke_locked()
-        return join_until([t], deadline)
+        return join_until([t] if t is not None else [], deadline)
 
     def _loop(self) -> None:
         with self._lock:
@@ -95,9 +126,15 @@ class Reaper:
                     stopped = self._stopped
                     new, self._new = self._new, []
                 for item in new:
-                    assert item.sock is not None
-                    items[item.sock.fileno()] = item
-                    poller.register(item.sock.fileno(), item.events)
+                    try:
+                        assert item.sock is not None
+                        fd = item.sock.fileno()
+                        poller.register(fd, item.events)
+                    except Exception:  # one bad item must not end the reaper
+                        log.exception("parking a socket failed")
+                        self._drop(item)
+                        continue
+                    items[fd] = item
                 if stopped:
                     return
                 now = time.monotonic()
@@ -124,18 +161,30 @@ class Reaper:
                             self._thread = None
                             self._wake_r = self._wake_w = -1
                             return
+        except Exception:
+            # A bug must not leave the reaper marked running with nobody to run it: the
+            # sockets it held are dropped below, and the next one parked starts afresh.
+            log.exception("reaper failed reaper=%s", self._name)
         finally:
-            for item in items.values():  # shutdown: not counted
-                item.drop()
+            for item in items.values():  # shutdown (or a failure): not counted
+                self._drop(item)
             with self._lock:
                 if self._stopped:
                     for item in self._new:
-                        item.drop()
+                        self._drop(item)
                     self._new = []
                 if self._wake_r == wake_r:
                     self._wake_r = self._wake_w = -1
                 os.close(wake_r)
                 os.close(wake_w)
+                if self._thread is threading.current_thread():
+                    self._thread = None
+                    # Parked while this thread failed: a fresh thread takes them.
+                    if self._new and not (not self._stopped and self._start_locked()):
+                        for item in self._new:
+                            self._drop(item)
+                        self._new = []
+                    self._poke_locked()
 
     @staticmethod
     def _finish(item: Parked, ready: bool) -> None:
@@ -143,4 +192,4 @@ class Reaper:
             item.finish(ready)
         except Exception:  # recording must never end the reaper
             log.exception("finishing a parked socket failed")
-            item.drop()
+            Reaper._drop(item)

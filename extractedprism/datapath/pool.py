@@ -12,10 +12,11 @@ earn their keep, so an idle proxy costs a handful of sleeping threads, not a poo
   concurrent clients starts N threads once; the next burst within ``idle_exit_s`` finds
   them parked.
 * ``_park``: a parked thread gives its kernel pipes back after ``PIPE_IDLE_RELEASE_S``;
-  threads beyond ``WARM_THREADS`` leave the pool after ``idle_exit_s`` (the LIFO hand-off
-  keeps them the coldest); the last of them to leave gives the heap the burst freed back
-  to the kernel (``heap.trim``). The warm ones then sleep ``WARM_RECHECK_S`` at a time:
-  an idle proxy's pipe threads wake at most once a minute.
+  parked threads beyond ``WARM_THREADS`` leave the pool after ``idle_exit_s`` (the LIFO
+  hand-off keeps them the coldest; threads busy with long-lived connections are not
+  counted: they cannot take the next client); the last of them to leave gives the heap
+  the burst freed back to the kernel (``heap.trim``). The warm ones then sleep
+  ``WARM_RECHECK_S`` at a time: an idle proxy's pipe threads wake at most once a minute.
 * ``wait_for_slot``: at ``--max-connections`` live connections the acceptor stops
   accepting, so new clients wait in the kernel backlog (HAProxy's maxconn).
 
@@ -245,10 +246,12 @@ class PipePool:
             wait = max(0.05, self.idle_exit_s - PIPE_IDLE_RELEASE_S)
             while not w.wake.acquire(timeout=wait):
                 with self._lock:
-                    if w in self._parked and len(self._workers) > self.warm:
+                    # Parked threads only: one busy with a long-lived connection is no
+                    # warm thread (it cannot take the next client).
+                    if w in self._parked and len(self._parked) > self.warm:
                         self._parked.remove(w)
                         self._workers.remove(w)
-                        last = len(self._workers) == self.warm
+                        last = len(self._parked) == self.warm
                     else:
                         last = None
                 if last is not None:

@@ -21,10 +21,12 @@ as descriptors free up.
 
 # modules
 The listening socket and its accept wake-up live in listener.py, the pipe-thread pool
-in pool.py, the dial in dialer.py, the silent-upstream check on the client's first bytes
-in firstbytes.py, the byte copy in pipe.py, and the relay strategy (``--relay``, resolved
-once) in relay.py. The acceptor thread runs ``_accept_loop``; each pipe thread runs
-``_serve`` for the connection it is handed (PipePool calls it).
+in pool.py, the dial in dialer.py, the first answer (the silent-upstream check on the
+client's ClientHello, and its hedge) in first_answer.py, the attempts kept off a client's
+path in offpath.py, the byte copy in pipe.py, and the relay strategy (``--relay``,
+resolved once) in relay.py. The acceptor thread runs ``_accept_loop``; each pipe thread
+runs ``_serve`` for the connection it is handed (PipePool calls it); docs/architecture.md
+("A connection's trip") says why the native relay attaches before the first answer.
 """
 
 from __future__ import annotations
@@ -199,6 +201,7 @@ class Proxy:
         if self._listener is not None:
             self._listener.close()
         closed = self._registry.close_all()
+        self._answer.close_all()  # clients waiting on a first answer, attached nowhere yet
         if closed:
             log.info("shutdown: force-closed connections count=%d", closed)
         threads = self.pipe_pool.stop()  # busy ones see _stopping when their connection ends
@@ -270,8 +273,12 @@ class Proxy:
     # -- pipe threads (PipePool._worker_loop calls this) ----------------------------------
 
     def _serve(self, client_sock: socket.socket, client: str, me: threading.Thread) -> None:
-        """pick and dial -> first answer -> attach -> relay, each a step returning what
-        the next one takes."""
+        """One client's trip, one way: pick and dial -> first answer -> attach -> relay ->
+        detach (each step a method returning what the next one takes). With the native
+        relay the first answer is judged inside the relay call itself, after attach (one
+        native call per connection; docs/architecture.md, "A connection's trip"); only
+        when it finds the upstream silent does the hedge pick the carrier, which is
+        attached and relayed in turn."""
         if self._stopping.is_set():
             client_sock.close()
             return
@@ -280,24 +287,62 @@ class Proxy:
         debug = log.isEnabledFor(logging.DEBUG)  # per connection, never per byte
         t0 = time.monotonic() if debug else 0.0
         tried: set[str] = set()
+        placed = self._connect(client_sock, client, tried)
+        if placed is None:
+            return  # the client was closed (turned away, left, or refused)
+        leg, pipe, judging = placed
+        me.name = f"pipe-{client}->{leg.address}"
+        if debug:
+            connlog.opened(log, client, leg.address, time.monotonic() - t0)
+        if judging:
+            found, first = self._relay_judged(leg, pipe, tried, debug)
+            if found == ANSWERED:
+                return
+            if found == LEFT:  # nothing sent elsewhere, nobody charged
+                client_sock.close()
+                return
+            # Silent: the hedge picks the upstream that carries the connection.
+            leg.first, leg.sent = first, len(first or b"")
+            leg.since = time.monotonic() - self._answer.hedge_delay
+            carrier = self._answer.race(client_sock, leg, tried)
+            if carrier is None:
+                client_sock.close()
+                return
+            pipe = self._pipe(client_sock, client, carrier)
+            pipe.count_sent(len(first or b""))
+            # The first upstream's reservation ended at attach_judging: by address.
+            if not self._registry.attach(
+                    carrier.res if carrier.res.held else carrier.address, pipe):
+                carrier.close()
+                client_sock.close()
+                return
+            leg = carrier
+            me.name = f"pipe-{client}->{leg.address}"  # the upstream that carries it
+        self._relay(leg, pipe, debug)
+
+    def _connect(self, client_sock: socket.socket, client: str, tried: set[str]
+                 ) -> tuple[Leg, Pipe, bool] | None:
+        """pick and dial -> first answer -> attach: the leg that carries the client, its
+        attached Pipe, and whether the relay's first call still judges the first answer
+        (attach_judging). None: the client was closed (turned away, left, refused)."""
+        reg = self._registry
         first: bytes | None = None  # the client's first bytes, once read (for a replay)
         retry = True
         while True:
             leg = self._dial(client_sock, tried, first)
             if leg is None:
                 self._turn_away(client_sock, client)
-                return
+                return None
             placed = self._place(client_sock, client, leg, tried)
             if placed is None:  # the client left during the first answer
                 client_sock.close()
-                return
-            leg, pipe, judged = placed
+                return None
+            leg, pipe, judging = placed
             if pipe is not None:
-                break
+                return leg, pipe, judging
             # Attach refused: its upstream started draining (or the proxy is closing)
             # while we dialed. One retry elsewhere, if the first bytes may go elsewhere.
             leg.sock.close()
-            reg = self._registry
             if retry and not reg.closing and replayable(leg) and reg.any_pickable(
                     exclude=tried):
                 retry, first = False, leg.first
@@ -305,11 +350,7 @@ class Proxy:
             if not reg.closing:  # its upstream drained away, and no other was left
                 reg.record_no_upstream()
             client_sock.close()
-            return
-        me.name = f"pipe-{client}->{leg.address}"
-        if debug:
-            connlog.opened(log, client, leg.address, time.monotonic() - t0)
-        self._relay_steps(client_sock, client, leg, pipe, judged, tried, debug)
+            return None
 
     def _dial(self, client_sock: socket.socket, tried: set[str], first: bytes | None
               ) -> Leg | None:
@@ -342,8 +383,7 @@ class Proxy:
         answer). None: the client left (every attempt closed)."""
         reg = self._registry
         try:
-            pipe = Pipe(client_sock, leg.sock, client_addr=client, upstream_addr=leg.address,
-                        relay=self.relay, pin=self._pin)
+            pipe = self._pipe(client_sock, client, leg)
             if not self._answer.judges(leg):
                 # Nothing to wait for (one upstream, panic mode, no ClientHello, hedge
                 # off): what the client sent goes to this upstream, and the relay starts.
@@ -352,8 +392,8 @@ class Proxy:
             else:
                 if self._judge_in_relay and pipe.can_judge():
                     # The common case with several upstreams: attached now, judged by the
-                    # relay's own first call (Pipe.run_judged), one GIL round trip fewer.
-                    attached = reg.attach_unjudged(leg.res, pipe)
+                    # relay's own first call (Pipe.run_judged), counted once it carries.
+                    attached = reg.attach_judging(leg.res, pipe)
                     if attached is not None:
                         return leg, pipe if attached else None, True
                 carrier = self._answer.settle(client_sock, leg, tried)
@@ -373,51 +413,44 @@ class Proxy:
         return Pipe(client_sock, leg.sock, client_addr=client, upstream_addr=leg.address,
                     relay=self.relay, pin=self._pin)
 
-    def _relay_steps(self, client_sock: socket.socket, client: str, leg: Leg, pipe: Pipe,
-                     judged: bool, tried: set[str], debug: bool) -> None:
-        """relay, until the connection ends. With ``judged``, the relay's first call
-        waits for the first answer itself; when it finds the upstream silent, the hedge
-        (FirstAnswer.race) picks the upstream that carries the connection, which is
-        attached and relayed in turn."""
-        reg = self._registry
+    def _relay_judged(self, leg: Leg, pipe: Pipe, tried: set[str], debug: bool
+                      ) -> tuple[int, bytes | None]:
+        """The relay's first call judges the first answer, then relays (one native call);
+        detached at its end, counted only if it carried. (ANSWERED, None): relayed to the
+        end. (SILENT or LEFT, first): nothing relayed, both sockets open, the upstream has
+        the client's first bytes ``first``."""
         t0 = time.monotonic() if debug else 0.0
-        found, first = ANSWERED, None
+        found, first = -1, None  # -1: the call raised, nothing carried
         try:
-            if judged:
-                found, first = pipe.run_judged(self._answer.delay_ms, leg.first, leg.sent)
-                if found == SILENT and not self._answer.can_hedge(tried):
-                    # Nothing to hedge to: the one there is has the bytes, and may answer.
-                    pipe.count_sent(len(first or b""))
-                    found = ANSWERED
-                    pipe.run()
-            else:
+            found, first = pipe.run_judged(self._answer.delay_ms, leg.first, leg.sent)
+            if found == SILENT and not self._answer.can_hedge(tried):
+                # Nothing to hedge to: the one there is has the bytes, and may answer.
+                pipe.count_sent(len(first or b""))
+                found = ANSWERED
                 pipe.run()
         except BaseException:
             leg.sock.close()  # the relay raised before closing it (the pool closes the client)
             raise
         finally:
-            reg.detach(leg.address, pipe)
+            self._registry.detach(leg.address, pipe, carried=found == ANSWERED)
             if debug and found == ANSWERED:
                 connlog.closed(log, pipe, t0)
-        if found == ANSWERED:
-            return
-        if found == LEFT:  # nothing sent elsewhere, nobody charged
+        if found == LEFT:
             leg.sock.close()
-            client_sock.close()
-            return
-        leg.first, leg.sent = first, len(first or b"")
-        leg.since = time.monotonic() - self._answer.hedge_delay
-        carrier = self._answer.race(client_sock, leg, tried)
-        if carrier is None:
-            client_sock.close()
-            return
-        pipe = self._pipe(client_sock, client, carrier)
-        pipe.count_sent(len(first or b""))
-        if not reg.attach(carrier.res if carrier.res.held else carrier.address, pipe):
-            carrier.close()
-            client_sock.close()
-            return
-        self._relay_steps(client_sock, client, carrier, pipe, False, tried, debug)
+        return found, first
+
+    def _relay(self, leg: Leg, pipe: Pipe, debug: bool) -> None:
+        """relay, until the connection ends; then detach."""
+        t0 = time.monotonic() if debug else 0.0
+        try:
+            pipe.run()
+        except BaseException:
+            leg.sock.close()  # the relay raised before closing it (the pool closes the client)
+            raise
+        finally:
+            self._registry.detach(leg.address, pipe)
+            if debug:
+                connlog.closed(log, pipe, t0)
 
     def _turn_away(self, client_sock: socket.socket, client: str) -> None:
         _no_upstream(client=client)

@@ -1,35 +1,41 @@
-"""Kubernetes API access for EndpointSlice discovery: the only module importing ``kubernetes``.
+"""Kubernetes API access for EndpointSlice discovery: the only module importing ``kubernetes``
+(and that only for a kubeconfig plugin).
 
-Owns building the API client and the two calls the watcher makes (list, watch), and
-turns the client's many failure shapes into three outcomes the watcher cares about:
-a result, :class:`Gone` (410: re-list) or any other exception (a counted error). Runs on
-the watcher thread; :meth:`WatchStream.close` is the one method called from another
-thread (shutdown), and it only shuts the stream's socket down to wake the blocked read.
+Owns the two calls the watcher makes (list, watch), and turns the client's many failure
+shapes into three outcomes the watcher cares about: a result, :class:`Gone` (410:
+re-list) or any other exception (a counted error). Runs on the watcher thread;
+:meth:`WatchStream.close` and :meth:`KubeClient.interrupt` are the methods called from
+another thread (shutdown), and they only shut sockets down to wake a blocked call.
 
-Where the client connects (spec, "Endpoint discovery"):
+Where the client connects (spec, "Endpoint discovery"; the credentials module reads
+the configuration and re-reads its files when they change):
 
-* ``--kubeconfig``: that file, used as given.
+* ``--kubeconfig``: that file's current context, used as given.
 * in a cluster (service-account ``token`` and ``ca.crt`` present): this proxy's *own*
   listener, ``https://<bind-address>:<bind-port>`` (127.0.0.1 when the bind address is a
   wildcard), verifying the API server certificate as ``kubernetes.default.svc`` (sent as
   SNI too). Discovery then survives the loss of any API server and needs no CNI or
-  ClusterIP. The token file is re-read before every request, so a rotated projected
-  token is used at once (the client's in-cluster loader would also reset ``host`` to the
-  ClusterIP on refresh, so its hook is not used). Environment proxies are ignored: the
-  target is loopback.
+  ClusterIP. Environment proxies are ignored: the target is loopback.
 * neither: :func:`build_client` returns None and the caller runs static-only.
 
-Two transports make the same two GETs. With ``--kubeconfig`` the ``kubernetes`` package
-reads the file (contexts, exec plugins, client certificates) and makes the calls; it is
-imported only then, because its ``__init__`` imports every API model (18 MB and half a
-second, on every node). In a cluster, :class:`InClusterApi` makes the calls itself with
-``http.client`` (which the health server has loaded anyway; urllib3 would add a MiB to
-every node) and behaves as that package's urllib3 transport does for this configuration:
-the same URL, query order and headers byte for byte, one kept-alive connection reused
-while the server keeps it open, a request that fails before its answer (connect, TLS,
-send, or the wait for the status line) tried again up to three times at once, and a
-413/429/503 carrying ``Retry-After`` tried again after that delay (urllib3's default
-``Retry(3)``); the server never redirects its own clients, so no redirect is followed.
+:class:`HttpApi` makes the calls for both with ``http.client`` (which the health server
+has loaded anyway), without the ``kubernetes`` package, whose ``__init__`` imports every
+API model (18 MB and half a second; with it a static pod idled at 54 MiB instead of
+the chart's 32). It behaves as that package's urllib3 transport does: the same URL,
+query order and headers byte for byte, one kept-alive connection reused while the
+server keeps it open (and while the credentials it was made with are current), a
+request that fails before its answer (connect, TLS, send, or the wait for the status
+line) tried again up to three times at once, and a 413/429/503 carrying
+``Retry-After`` tried again after that delay (urllib3's default ``Retry(3)``); the
+server never redirects its own clients, so no redirect is followed. Unlike urllib3,
+the delay is capped at the watcher's own backoff maximum (30 s, not urllib3's 6 h: a
+server asking for hours would otherwise stop discovery for hours), and it is waited on
+the stop Event, so shutdown ends it at once; shutdown also shuts the socket of a
+request in flight down (:meth:`HttpApi.interrupt`), so no connect, list read or
+Retry-After wait outlasts the shutdown bound. Only a kubeconfig whose user runs an
+``exec`` or ``auth-provider`` plugin goes through the ``kubernetes`` package
+(:class:`PluginApi`): running those plugins is that package's job, and only their users
+pay its memory.
 
 Why not ``kubernetes.watch.Watch.stream``: it re-opens a watch by itself after a 410
 ERROR event and after every clean end unless ``timeout_seconds`` is passed, and it
@@ -51,16 +57,28 @@ import logging
 import os
 import select
 import socket
-import ssl
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, Protocol
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 from extractedprism import __version__
 from extractedprism.config.table import Config
+from extractedprism.discovery.backoff import MAX_DELAY
+from extractedprism.discovery.credentials import (
+    TLS_SERVER_NAME,
+    ClientConfigError,
+    KubeconfigError,
+    Target,
+    kubeconfig,
+    read_kubeconfig,
+    service_account,
+    uses_plugin,
+)
 from extractedprism.errors import Error
+from extractedprism.files import FileProblem, Reloaded
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +97,12 @@ QUERY_NAMES = (("allow_watch_bookmarks", "allowWatchBookmarks"),
 ERROR_BODY_BYTES = 4096
 # urllib3's default Retry(3), as the kubernetes client's transport uses it: a request
 # that fails before its answer is tried this many more times, at once; an answer of
-# these statuses with a Retry-After header is tried again after that many seconds
-# (capped as urllib3 caps it).
+# these statuses with a Retry-After header is tried again after that many seconds,
+# capped at the watcher's backoff maximum (urllib3 caps at 6 h: a discovery stopped for
+# hours by one header, on a thread shutdown must be able to stop).
 RETRIES = 3
 RETRY_AFTER_STATUSES = (413, 429, 503)
-RETRY_AFTER_MAX_S = 21600.0
-TLS_SERVER_NAME = "kubernetes.default.svc"
+RETRY_AFTER_MAX_S = MAX_DELAY
 DEFAULT_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 CONNECT_TIMEOUT = 10.0
 LIST_READ_TIMEOUT = 30.0
@@ -128,10 +146,6 @@ class WatchErrorEvent(Error):
         self.reason = reason
 
 
-class ClientConfigError(Error):
-    """Discovery was configured (kubeconfig or service account) but cannot be used."""
-
-
 class ApiError(Error):
     """A list or watch call answered with a status other than 2xx."""
 
@@ -160,14 +174,6 @@ def has_service_account(sa_dir: str) -> bool:
     )
 
 
-def _read_token(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        token = f.read().strip()
-    if not token:
-        raise ClientConfigError(f"token file {path} is empty")
-    return token
-
-
 def _query(params: dict[str, Any]) -> str:
     # As the kubernetes client writes it: booleans lower case, values quoted with "/"
     # kept (labelSelector=kubernetes.io/service-name%3Dkubernetes).
@@ -190,6 +196,8 @@ class Api(Protocol):
 
     def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any: ...
 
+    def interrupt(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -197,26 +205,54 @@ class RequestFailed(Error):
     """A request failed before its answer, also after the retries."""
 
 
+class Stopped(RequestFailed):
+    """Shutdown interrupted the request (or the wait before its retry)."""
+
+
 class _Connection(http.client.HTTPConnection):
-    """HTTPS to ``host:port`` verified as, and with the SNI of, ``kubernetes.default.svc``
-    (http.client's HTTPSConnection verifies the host it dials)."""
+    """HTTPS to ``host:port`` verified as, and with the SNI of, ``server_name`` (in a
+    cluster ``kubernetes.default.svc``; http.client's HTTPSConnection verifies the
+    host it dials), or the host itself when None."""
 
     default_port = 443  # the Host header names the port unless it is 443, as urllib3's
 
-    def __init__(self, host: str, port: int, context: ssl.SSLContext, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout)
-        self._tls = context
+    def __init__(self, target: Target, timeout: float, on_socket: Any = None) -> None:
+        super().__init__(target.host, target.port, timeout=timeout)
+        self._tls = target.tls
+        self._server_name = target.server_name or target.host
+        self._on_socket = on_socket  # told each socket before its connect (interrupt)
+        self._create_connection = self._dial
+
+    def _dial(self, address: tuple[str, int], timeout: float,
+              source_address: Any = None) -> socket.socket:
+        # socket.create_connection, but each socket is handed out before it connects,
+        # so shutdown can end a connect that hangs.
+        host, port = address
+        last: OSError = OSError(f"no address for {host}")
+        for family, kind, proto, _name, addr in socket.getaddrinfo(
+                host, port, 0, socket.SOCK_STREAM):
+            sock = socket.socket(family, kind, proto)
+            try:
+                if self._on_socket is not None:
+                    self._on_socket(sock)
+                sock.settimeout(timeout)
+                sock.connect(addr)
+                return sock
+            except OSError as exc:
+                sock.close()
+                last = exc
+        raise last
 
     def connect(self) -> None:
         super().connect()
-        self.sock = self._tls.wrap_socket(self.sock, server_hostname=TLS_SERVER_NAME)
+        self.sock = self._tls.wrap_socket(self.sock, server_hostname=self._server_name)
 
 
 class _Response:
     """A 2xx answer being read (the part of urllib3's response the callers use); its
-    connection goes back to :class:`InClusterApi` when it was read to the end."""
+    connection goes back to :class:`HttpApi` when it was read to the end."""
 
-    def __init__(self, api: InClusterApi, conn: _Connection,
+    def __init__(self, api: HttpApi, conn: _Connection,
                  resp: http.client.HTTPResponse) -> None:
         self._api, self.connection, self._resp = api, conn, resp
         self.status = resp.status
@@ -248,32 +284,35 @@ class _Response:
             self.connection.close()
 
 
-class InClusterApi:
-    """The service account's way in, without the ``kubernetes`` package (module
-    docstring): TLS verified against the service account's CA as
-    ``kubernetes.default.svc``, and the token file re-read before every request, so a
-    rotated projected token is used at once (unreadable: the last good token is kept,
-    and a stale one gets 401)."""
+class HttpApi:
+    """The way in without the ``kubernetes`` package (module docstring), for the
+    service account and a kubeconfig alike: where to connect, the TLS context and the
+    ``Authorization`` header come from ``target``, made again before a request when
+    one of its files changed (a rotated CA, client certificate, key, token or
+    kubeconfig is used from the next request on; a kept connection made with the old
+    ones is not reused). A file that is missing or unusable fails the request with its
+    name and path (a counted discovery error), and the next request looks again."""
 
-    def __init__(self, host: str, ca_path: str, token_path: str, token: str) -> None:
-        self.host = host
-        url = urlsplit(host)
-        self._addr = (url.hostname or "127.0.0.1", url.port or 443)
-        self._token_path = token_path
-        self._token = token
-        # As urllib3 makes it: TLS 1.2 or newer, certificate and name verified.
-        self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        self._tls.minimum_version = ssl.TLSVersion.TLSv1_2
-        self._tls.load_verify_locations(cafile=ca_path)
+    def __init__(self, target: Reloaded[Target], host: str,
+                 stop: threading.Event | None = None) -> None:
+        self.host = host  # for logs
+        self._target = target
+        self._generation = -1  # of the target the kept connection was made with
+        self._stop = stop if stop is not None else threading.Event()
+        self._sock_lock = threading.Lock()
+        self._sock: socket.socket | None = None  # of the request in flight (interrupt)
         self._idle: _Connection | None = None  # kept alive between requests
 
-    def _fresh_token(self) -> str:
+    def _current(self) -> Target:
         try:
-            self._token = _read_token(self._token_path)
-        except (OSError, ClientConfigError) as exc:
-            log.warning("service account token unreadable path=%s error=%s",
-                        self._token_path, exc)
-        return self._token
+            target = self._target.get()
+        except FileProblem as exc:
+            raise ClientConfigError(str(exc)) from None
+        if self._target.generation != self._generation:
+            self._generation = self._target.generation
+            self.host = target.url
+            self.close()  # made with the old CA / credentials: not reused
+        return target
 
     def keep(self, conn: _Connection) -> None:
         """Keep a connection whose answer was read to the end, for the next request."""
@@ -281,34 +320,59 @@ class InClusterApi:
         if old is not None:
             old.close()
 
-    def _connection(self, connect_timeout: float) -> _Connection:
+    def _connection(self, target: Target, connect_timeout: float) -> _Connection:
         conn, self._idle = self._idle, None
         if conn is not None and conn.sock is not None:
             # Readable while idle: the server closed it (or sent garbage): not reusable.
-            readable, _, _ = select.select([conn.sock], [], [], 0)
-            if not readable:
+            # poll, not select: select() refuses a descriptor >= 1024, and a busy node
+            # has thousands open (two sockets and a pipe pair per relayed connection).
+            poller = select.poll()
+            poller.register(conn.sock, select.POLLIN | select.POLLPRI)
+            if not poller.poll(0):
                 return conn
             conn.close()
-        return _Connection(self._addr[0], self._addr[1], self._tls, connect_timeout)
+        return _Connection(target, connect_timeout, self._in_flight)
+
+    def _in_flight(self, sock: socket.socket | None) -> None:
+        with self._sock_lock:
+            self._sock = sock
+        if sock is not None and self._stop.is_set():
+            _shut(sock)  # interrupt() ran before this socket existed
+
+    def interrupt(self) -> None:
+        """Shutdown (any thread, after the stop Event is set): end the request in
+        flight, a connect, a read or a Retry-After wait, at once."""
+        with self._sock_lock:
+            sock = self._sock
+        if sock is not None:
+            _shut(sock)
 
     def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any:
-        target = f"{SLICES_PATH}?{_query(params)}"
+        query = f"{SLICES_PATH}?{_query(params)}"
         retries = RETRIES
         while True:
-            headers = {"Accept": "application/json", "User-Agent": USER_AGENT,
-                       "authorization": f"Bearer {self._fresh_token()}"}
-            conn = self._connection(timeout[0])
+            if self._stop.is_set():
+                raise Stopped(f"GET {self.host}{query}: shutting down")
+            server = self._current()
+            target = server.prefix + query
+            headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
+            if server.authorization:
+                headers["authorization"] = server.authorization
+            conn = self._connection(server, timeout[0])
             try:
                 if conn.sock is None:
                     conn.connect()
                 assert conn.sock is not None
+                self._in_flight(conn.sock)
                 conn.sock.settimeout(timeout[1])
                 conn.request("GET", target, headers=headers)
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 conn.close()
+                if self._stop.is_set():
+                    raise Stopped(f"GET {self.host}{query}: shutting down") from exc
                 if retries <= 0:
-                    raise RequestFailed(f"GET {self.host}{target} failed after "
+                    raise RequestFailed(f"GET {self.host}{query} failed after "
                                         f"{RETRIES} retries: {_reason(exc)}") from exc
                 retries -= 1
                 log.debug("kube request failed; retrying error=%s", _reason(exc))
@@ -324,10 +388,13 @@ class InClusterApi:
                 conn.close()  # the rest of the body is unread: not reusable
             if delay is not None:
                 if retries <= 0:
-                    raise RequestFailed(f"GET {self.host}{target}: {resp.status} "
+                    raise RequestFailed(f"GET {self.host}{query}: {resp.status} "
                                         f"{resp.reason} after {RETRIES} retries")
                 retries -= 1
-                time.sleep(delay)
+                log.info("kube request throttled; retrying status=%d retry_after=%s "
+                         "delay=%.3fs", resp.status, resp.getheader("Retry-After"), delay)
+                if self._stop.wait(delay):
+                    raise Stopped(f"GET {self.host}{query}: shutting down")
                 continue
             raise ApiError(resp.status, resp.reason or "",
                            body.decode("utf-8", errors="replace")[:200])
@@ -336,6 +403,13 @@ class InClusterApi:
         conn, self._idle = self._idle, None
         if conn is not None:
             conn.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    # The plain-socket shutdown, not SSLSocket.shutdown (which drops the TLS object
+    # under the reading thread's feet); on a connecting socket it ends the connect.
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def _reason(exc: BaseException) -> str:
@@ -357,9 +431,10 @@ def _retry_after(resp: http.client.HTTPResponse) -> float | None:
     return min(max(seconds, 0.0), RETRY_AFTER_MAX_S)
 
 
-class KubeconfigApi:
-    """``--kubeconfig``'s way in: the ``kubernetes`` package reads the file (contexts,
-    exec plugins, client certificates) and makes the call; imported here, only then."""
+class PluginApi:
+    """A kubeconfig whose user runs an ``exec`` or ``auth-provider`` plugin: the
+    ``kubernetes`` package reads the file, runs the plugin and makes the call; imported
+    here, only then (it costs ~25 MiB of RSS, which only these users pay)."""
 
     def __init__(self, path: str) -> None:
         from kubernetes import client as k8s_client
@@ -383,37 +458,66 @@ class KubeconfigApi:
         except ApiException as exc:
             raise ApiError(int(exc.status or 0), str(exc.reason or "")) from exc
 
+    def interrupt(self) -> None:
+        # urllib3 keeps its sockets to itself: a request in flight ends at its own
+        # timeouts (the watch stream is still woken by WatchStream.close).
+        pass
+
     def close(self) -> None:
         self._client.close()
 
 
-def build_client(config: Config, sa_dir: str | None = None) -> KubeClient | None:
+def build_client(config: Config, sa_dir: str | None = None,
+                 stop: threading.Event | None = None) -> KubeClient | None:
     """The discovery client, or None when neither a kubeconfig nor a service account exists.
 
-    Raises :class:`ClientConfigError` when one is configured but unusable.
+    ``stop`` (the watcher's stop Event) ends its waits. Raises
+    :class:`ClientConfigError` when one is configured but unusable (a
+    :class:`~extractedprism.discovery.credentials.KubeconfigError` for a kubeconfig
+    that is missing or malformed). A file the configuration refers to that is missing
+    or unusable only logs a warning here: every request fails naming it until it is
+    fixed, and the next one after that succeeds.
     """
     sa_dir = sa_dir if sa_dir is not None else DEFAULT_SA_DIR
+    api: Api
     if config.kubeconfig:
-        api: Api = KubeconfigApi(config.kubeconfig)
-        log.info("discovery client source=kubeconfig path=%s server=%s",
-                 config.kubeconfig, api.host)
+        path = config.kubeconfig
+        if uses_plugin(read_kubeconfig(path), path):
+            api = PluginApi(path)
+            log.info("discovery client source=kubeconfig path=%s server=%s "
+                     "reader=kubernetes-package reason=%r", path, api.host,
+                     "the user runs an exec or auth-provider plugin")
+            return KubeClient(api)
+        target = kubeconfig(path)
+        api = HttpApi(target, f"kubeconfig {path}", stop)
+        _first(target, api, "kubeconfig")
+        log.info("discovery client source=kubeconfig path=%s server=%s", path, api.host)
         return KubeClient(api)
     if has_service_account(sa_dir):
-        token_path = os.path.join(sa_dir, "token")
-        ca_path = os.path.join(sa_dir, "ca.crt")
+        url = proxy_url(config.bind_address, config.bind_port)
+        target = service_account(url, os.path.join(sa_dir, "ca.crt"),
+                                 os.path.join(sa_dir, "token"))
         try:
-            token = _read_token(token_path)
-            with open(ca_path, encoding="utf-8") as f:
-                if not f.read().strip():
-                    raise ClientConfigError(f"CA file {ca_path} is empty")
-        except OSError as exc:
-            raise ClientConfigError(f"service account unreadable: {exc}") from exc
-        api = InClusterApi(proxy_url(config.bind_address, config.bind_port), ca_path,
-                           token_path, token)
+            target.get()
+        except (FileProblem, ClientConfigError) as exc:
+            raise ClientConfigError(f"service account unusable: {exc}") from None
+        api = HttpApi(target, url, stop)
         log.info("discovery client source=in-cluster server=%s tls_server_name=%s",
                  api.host, TLS_SERVER_NAME)
         return KubeClient(api)
     return None
+
+
+def _first(target: Reloaded[Target], api: HttpApi, source: str) -> None:
+    """Make the target once now, for the log; a referenced file's problem is a warning
+    (it may appear later), the kubeconfig's own problems raise."""
+    try:
+        api.host = target.get().url
+    except KubeconfigError:
+        raise
+    except (FileProblem, ClientConfigError) as exc:
+        log.warning("discovery credentials not usable yet source=%s error=%s; every "
+                    "request fails until fixed", source, exc)
 
 
 def _dropped(exc: BaseException) -> bool:
@@ -588,6 +692,10 @@ class KubeClient:
                 raise Gone(f"watch HTTP 410: {exc.reason}") from exc
             raise
         return WatchStream(resp)
+
+    def interrupt(self) -> None:
+        """End the request in flight (any thread; shutdown, after the stop Event)."""
+        self.api.interrupt()
 
     def close(self) -> None:
         try:

@@ -118,14 +118,14 @@ class KubernetesProvider:
     def start(self) -> None:
         """Build the client; without one, log one warning and run static-only.
 
-        Raises :class:`~extractedprism.discovery.kube.ClientConfigError` when a kubeconfig or
+        Raises :class:`~extractedprism.discovery.credentials.ClientConfigError` when a kubeconfig or
         service
         account exists but cannot be used (the caller isolates that failure).
         """
         if not self._config.enable_discovery:
             log.info("kubernetes discovery disabled by --enable-discovery=false")
             return
-        client = build_client(self._config, self._sa_dir)
+        client = build_client(self._config, self._sa_dir, self._stop)
         if client is None:
             reason = "no --kubeconfig and no in-cluster service account"
             log.warning(
@@ -145,6 +145,8 @@ class KubernetesProvider:
             stream = self._open_stream
         if stream is not None:
             stream.close()
+        if self._client is not None:
+            self._client.interrupt()  # a list, connect or Retry-After wait in flight
         return join_until([self._thread], time.monotonic() + timeout)
 
     @property

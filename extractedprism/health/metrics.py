@@ -11,7 +11,7 @@ by merge.py and watch.py where the event happens. Metric objects live on an inje
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
@@ -55,6 +55,11 @@ class Metrics:
         """Serve the gauges from ``snapshot()`` at every scrape."""
         self._collector = StateCollector(snapshot)
         self.registry.register(self._collector)
+
+    def attach_probe_connections(self, opened: Callable[[], Mapping[str, int]]) -> None:
+        """Serve ``extractedprism_readyz_connections_total`` from ``opened()`` (new TLS
+        connections the readyz probes opened, per upstream) at every scrape."""
+        self.registry.register(ProbeConnectionsCollector(opened))
 
 
 PerUpstream = Callable[["Snapshot", "UpstreamView"], "float | None"]
@@ -188,3 +193,27 @@ class StateCollector(Collector):
                 if v is not None:
                     family.add_metric([u.address], v)
             yield family
+
+
+class ProbeConnectionsCollector(Collector):
+    """``extractedprism_readyz_connections_total{upstream}``: with keep-alive, a count
+    that grows much slower than the number of probes; the series of an upstream goes
+    with its kept connection when the upstream is removed."""
+
+    def __init__(self, opened: Callable[[], Mapping[str, int]]) -> None:
+        self._opened = opened
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            PREFIX + "readyz_connections_total",
+            "New TLS connections opened by the readyz probes, per upstream (each probe "
+            "reuses the upstream's kept-alive connection while it stays open; --health-check="
+            "readyz only)",
+            labels=["upstream"],
+        )
+        for addr, n in sorted(self._opened().items()):
+            family.add_metric([addr], n)
+        yield family

@@ -96,6 +96,11 @@ class RateLimited:
             self._summary(count, fields)
 
     def _summary(self, count: int, fields: dict[str, Any]) -> None:
+        if count == 1:
+            # One more occurrence is just that line again: "(repeated) count=1" read as a
+            # summary of nothing.
+            self._log.log(self._level, self._msg, extra=fields)
+            return
         self._log.log(self._level, f"{self._msg} (repeated)",
                       extra={**fields, "count": count,
                              "interval": f"{self._interval:g}s"})

@@ -178,12 +178,12 @@ def write_out(stream: TextIO, text: str, timeout: float | None) -> bool:
             return True
         view = memoryview(text.encode("utf-8", "replace"))
         while view:
-            if timeout is not None and not select.select([], [fd], [], timeout)[1]:
+            if timeout is not None and not _writable(fd, timeout):
                 return False
             try:
                 n = os.write(fd, view[:4096] if timeout is not None else view)
             except BlockingIOError:  # a non-blocking stderr (some runtimes hand one over)
-                if not select.select([], [fd], [], 1.0 if timeout is None else timeout)[1] \
+                if not _writable(fd, 1.0 if timeout is None else timeout) \
                         and timeout is not None:
                     return False
                 continue
@@ -191,6 +191,14 @@ def write_out(stream: TextIO, text: str, timeout: float | None) -> bool:
         return True
     except (OSError, ValueError):
         return False  # stderr closed: nowhere to say so
+
+
+def _writable(fd: int, timeout: float) -> bool:
+    """True once ``fd`` takes a write, False after ``timeout`` seconds. poll, not
+    select: select() refuses a descriptor >= 1024 (a stderr reopened on a busy node)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return bool(poller.poll(max(0, int(timeout * 1000 + 0.999))))
 
 
 class _LastWords(logging.Handler):

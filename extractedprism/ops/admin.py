@@ -297,9 +297,8 @@ def _reply_and_linger(conn: socket.socket, reply: dict[str, Any]) -> None:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        # Exit 2 as argparse does, but say which subcommand and how to get help.
-        self.print_usage(sys.stderr)
-        print(f"extractedprism admin: {message}", file=sys.stderr)
+        # Exit 2 as argparse does, but one line: what is wrong and where help is.
+        print(f"{self.prog}: {message}; see '{self.prog} --help'", file=sys.stderr)
         raise SystemExit(BAD)
 
 

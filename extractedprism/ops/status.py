@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from extractedprism.config.flags import parse_duration
+from extractedprism.config.flags import format_duration, parse_duration
 from extractedprism.config.table import FLAG_BY_NAME
 from extractedprism.errors import Error
 
@@ -284,15 +284,28 @@ def row(u: Mapping[str, Any], now: datetime.datetime) -> list[str]:
             stalls_text(u), age(u.get("since"), now), _admin(u), _last_error(u)]
 
 
+def _healthy(u: Mapping[str, Any]) -> bool:
+    """Its health check passes (whatever its readiness or drain); from the state word
+    when the document has no ``healthy`` field."""
+    if isinstance(u.get("healthy"), bool):
+        return bool(u["healthy"])
+    return state_word(u) in ("healthy", "closing-unready")
+
+
 def summary(doc: Mapping[str, Any], ready: bool,
             now: datetime.datetime | None = None) -> str:
     ups = [u for u in doc.get("upstreams") or [] if isinstance(u, dict)]
-    healthy = sum(1 for u in ups if state_word(u) == "healthy"
-                  or (not u.get("state") and u.get("healthy") and not u.get("draining")))
+    # Health, readiness and draining are counted apart: a drained upstream is still
+    # healthy and ready (it only takes no new connections), and counting it out of
+    # "healthy" but into "ready" read as "1/3 healthy, 2/3 ready".
+    healthy = sum(1 for u in ups if _healthy(u))
     parts = [f"{'ready' if ready else 'NOT READY'}: {healthy}/{len(ups)} upstreams healthy"]
     readies = [u.get("ready") for u in ups if u.get("ready") is not None]
     if readies:
         parts.append(f"{sum(1 for r in readies if r)}/{len(ups)} ready")
+    drained = sum(1 for u in ups if state_word(u) in ("draining", "admin-drain"))
+    if drained:
+        parts.append(f"{drained} drained (no new connections)")
     active = doc.get("connections_active")
     if active is not None:
         limit = doc.get("max_connections")
@@ -340,9 +353,17 @@ def render(doc: Mapping[str, Any], ready: bool, now: datetime.datetime | None = 
 # --- the command -------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # Exit 2 (unreachable's status, as for every bad argument), in one line.
+        print(f"{self.prog}: {message}; see '{self.prog} --help'", file=sys.stderr)
+        raise SystemExit(UNREACHABLE)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="extractedprism status",
+        allow_abbrev=False,
         description="Show where this node's API server traffic goes: one line per "
         "upstream, then a summary. Reads the local health server. Exit status: 0 ready, "
         "1 answering but not ready, 2 unreachable.")
@@ -404,8 +425,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         while True:
             status, text = once(address, args.json, timeout)
             stamp = time.strftime("%H:%M:%S")
-            print(f"{clear}{stamp}  {_hostport(address)}  (every {args.watch}; Ctrl-C "
-                  f"stops)\n{text}\n", flush=True)
+            # With its unit: `--watch 1` is a second, and says so.
+            print(f"{clear}{stamp}  {_hostport(address)}  (every {format_duration(interval)}; "
+                  f"Ctrl-C stops)\n{text}\n", flush=True)
             time.sleep(interval)
     except KeyboardInterrupt:
         return status

@@ -54,6 +54,9 @@ class Record:
     endpoint: Endpoint
     state: UpstreamState = field(default_factory=UpstreamState)
     conns: dict[int, Tracked] = field(default_factory=dict)
+    # Live connections whose relay still judges the first answer (Registry.attach_judging):
+    # not counted in the totals until they carry bytes or end answered.
+    judging: set[int] = field(default_factory=set)
     dialing: int = 0  # picked, dial in progress: counts for least-conn
     drain_deadline: float | None = None
     unready_deadline: float | None = None
@@ -136,7 +139,8 @@ class Record:
             rebalance_closes=self.rebalance_closes,
             stalls=stalls, stalled_connections=stalled_connections,
             stall_checks=tuple(sorted(self.stall_checks.items())),
-            answer_hedges=tuple(sorted(self.answer_hedges.items())))
+            answer_hedges=tuple(sorted(self.answer_hedges.items())),
+            dials_in_flight=self.dialing)
 
 
 def spread(ids: list[int], now: float, over: float) -> list[tuple[float, int]]:
@@ -167,10 +171,15 @@ def _draining_reason(rec: Record) -> str | None:
 
 
 def _close_deadline(rec: Record) -> float | None:
-    """When its remaining connections will all have been closed, if that is scheduled."""
+    """When its remaining connections will all have been closed, if that is scheduled.
+
+    A readiness close with no connection left is no close: the deadline is re-armed each
+    period (for a connection that might still arrive), and shown it would move forward
+    for ever on a dead upstream.
+    """
     times = [t for t in (rec.drain_deadline if rec.state.lifecycle is sm.Lifecycle.DRAINING
                          else None,
-                         rec.unready_deadline,
+                         rec.unready_deadline if rec.conns else None,
                          rec.close_plan[-1][0] if rec.close_plan else None) if t is not None]
     return min(times) if times else None
 

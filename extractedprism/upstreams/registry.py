@@ -207,11 +207,14 @@ class Registry:
 
     def _remove_locked(self, addr: str) -> list[Tracked]:
         rec = self._ups.pop(addr)
+        if rec.judging:  # the ones carrying bytes are counted before the record goes
+            self._settle_record_locked(rec)
         self._latency.remove(addr)
         self._ramping.discard(addr)
         conns = list(rec.conns.values())
         self._conn_count -= len(conns)
         rec.conns.clear()
+        rec.judging.clear()
         rec.activity.clear()
         return conns
 
@@ -726,34 +729,39 @@ class Registry:
     # -- connections --------------------------------------------------------------
 
     def attach(self, target: Reservation | str, conn: Tracked) -> bool:
-        """Track a connection that just dialed its reserved upstream (the reservation
-        ends here, attached or not); False if the upstream drains or left meanwhile.
+        """Track a connection whose carrier is known (the reservation ends here, attached
+        or not) and count it; False if the upstream drains or left meanwhile.
 
         The reservation's dial succeeded: recorded here, in the same lock round trip. A
-        plain address attaches without a reservation and records nothing (tests, tools)."""
+        plain address attaches without a reservation and records nothing (the first
+        upstream after a hedge, tests, tools)."""
         with self.lock:
-            ok, fx = self._attach_locked(target, conn)
+            ok, fx = self._attach_locked(target, conn, judging=False)
         if fx is not None:
             self._run(fx)
         return ok
 
-    def attach_unjudged(self, res: Reservation, conn: Tracked) -> bool | None:
+    def attach_judging(self, res: Reservation, conn: Tracked) -> bool | None:
         """attach() before the silent-upstream check has judged the dial, so the check
-        and the relay can run as one native call (Pipe.run_judged). Only where the dial's
-        success changes nothing about the upstream (no streak to clear, no readiness to
-        reset: the common case), so a silent verdict recorded after it (Dialer.failed)
-        counts exactly as if the check had come first. None: it would change something;
-        nothing was done, and the caller judges first and then calls attach()."""
+        and the relay can run as one native call (Pipe.run_judged). The connection is
+        live (drains, shutdown and /upstreams see it) but not counted until it carries
+        (see :meth:`_settle_locked`): a silent or left verdict detaches it uncounted.
+
+        Only where the dial's success changes nothing about the upstream (no streak to
+        clear, no readiness to reset: the common case), so a silent verdict recorded after
+        it (FirstAnswer.judged) counts exactly as if the check had come first. None: it
+        would change something; nothing was done, and the caller judges first and then
+        calls attach()."""
         with self.lock:
             rec = self._ups.get(res.address)
             if rec is not None and not rec.state.draining and sm.dial_success_changes(
                     rec.state):
                 return None
-            ok, fx = self._attach_locked(res, conn)
+            ok, fx = self._attach_locked(res, conn, judging=True)
         assert fx is None  # a success that changes nothing has no effects
         return ok
 
-    def _attach_locked(self, target: Reservation | str, conn: Tracked
+    def _attach_locked(self, target: Reservation | str, conn: Tracked, *, judging: bool
                        ) -> tuple[bool, Effects | None]:
         fx = None
         if isinstance(target, Reservation):
@@ -767,22 +775,56 @@ class Registry:
                   or self._closing)
         if ok:
             assert rec is not None
-            rec.conns[id(conn)] = conn
-            rec.total_connections += 1
+            key = id(conn)
+            rec.conns[key] = conn
             self._conn_count += 1
-            self._connections_total += 1
+            if judging:
+                rec.judging.add(key)
+            else:
+                self._count_locked(rec)
         return ok, fx
 
-    def detach(self, addr: str, conn: Tracked) -> None:
+    def _count_locked(self, rec: Record) -> None:
+        """The one place a connection is counted (connections_total and its upstream's
+        total): once, on the upstream that carries it. That is known at attach(), or, for
+        a connection attached while its relay judges the first answer, when the relay
+        carries bytes (_settle_locked) or ends answered (detach)."""
+        rec.total_connections += 1
+        self._connections_total += 1
+
+    def _settle_locked(self) -> None:
+        """Count the judging connections whose relay carries bytes by now: the native relay
+        moves none before the upstream answered (nothing on a silent verdict), so a byte
+        either way means this upstream carries the connection. Run before every read of
+        the totals, so no reader sees a connection that carries uncounted."""
+        for rec in self._ups.values():
+            if rec.judging:
+                self._settle_record_locked(rec)
+
+    def _settle_record_locked(self, rec: Record) -> None:
+        for key in [k for k in rec.judging
+                    if rec.conns[k].bytes_up or rec.conns[k].bytes_down]:
+            rec.judging.discard(key)
+            self._count_locked(rec)
+
+    def detach(self, addr: str, conn: Tracked, *, carried: bool = True) -> None:
+        """The connection ended. ``carried``: False when its relay found the upstream
+        silent or the client gone before it answered (a judging connection is then never
+        counted)."""
         with self.lock:
             rec = self._ups.get(addr)
-            if rec is None or rec.conns.pop(id(conn), None) is None:
+            key = id(conn)
+            if rec is None or rec.conns.pop(key, None) is None:
                 return
+            if rec.judging and key in rec.judging:
+                rec.judging.discard(key)
+                if carried:
+                    self._count_locked(rec)
             if rec.activity:
-                rec.activity.pop(id(conn), None)
+                rec.activity.pop(key, None)
             self._conn_count -= 1
             if rec.close_plan:  # it ended before its admin close came
-                rec.close_plan = [(t, i) for t, i in rec.close_plan if i != id(conn)]
+                rec.close_plan = [(t, i) for t, i in rec.close_plan if i != key]
             rec.bytes_up += conn.bytes_up
             rec.bytes_down += conn.bytes_down
             if not (rec.state.draining and not rec.conns):
@@ -821,6 +863,7 @@ class Registry:
     def snapshot(self, *, connections: bool = False) -> Snapshot:
         """A frozen copy of every upstream (and, if asked, every live connection)."""
         with self.lock:
+            self._settle_locked()
             latency, readyz = self._latency_mode, self._readyz
             now, wall = self._clock(), self._wall()
             slow = self._slow_start > 0

@@ -106,6 +106,9 @@ class UpstreamView:
     stalls: int | None = None
     stalled_connections: int | None = None
     stall_checks: tuple[tuple[str, int], ...] = ()
+    # Picked and dialing: reservations held (least-conn counts them). Each ends at attach
+    # or release, so a count that never returns to 0 is a leaked reservation.
+    dials_in_flight: int = 0
 
     @property
     def admin_drained(self) -> bool:

@@ -284,7 +284,8 @@ def test_static_pod_manifest_runs_on_a_hollow_kubelet(fleet: Fleet) -> None:
     assert len(manifests) == 1, manifests
     out = subprocess.run(
         [sys.executable, "-m", "extractedprism", "static-pod",
-         f"--endpoints={','.join(cp.endpoints)}", "--kubeconfig=/etc/extractedprism/kubeconfig"],
+         f"--endpoints={','.join(cp.endpoints)}", "--kubeconfig=/etc/extractedprism/kubeconfig",
+         f"--health-check-ca-file={cp.ca}"],
         capture_output=True, text=True, timeout=60, check=True).stdout
     manifest = manifests[0] / "extractedprism.yaml"
     mirror = f"/api/v1/namespaces/{NS}/pods/extractedprism-{node}"

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 import extractedprism
+from extractedprism.config import profile
 from extractedprism.config.table import (
     FLAGS,
     HEALTH_CHECKS,
@@ -83,7 +84,10 @@ NON_DEFAULTS: dict[str, Any] = {
 SA_CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 # Where the chart's default deliberately differs from the program's, and why:
 CHART_DEFAULTS: dict[str, Any] = {
-    # Empty = readyz with the pod's service-account CA when discovery is on, else tcp.
+    # The production profile (tests/deploy/test_profile.py holds it to config/profile.py).
+    **profile.flags(),
+    # Empty = readyz (the profile's) with the pod's service-account CA when discovery is on,
+    # else tcp.
     "health-check": "",
     # The handover, the shutdown drain and the state file make a node's upgrade gapless.
     "handover-socket": "/run/extractedprism/handover.sock",
@@ -94,6 +98,7 @@ CHART_DEFAULTS: dict[str, Any] = {
 }
 # What the default render passes to the program for those.
 CHART_DEFAULT_ENV: dict[str, str] = {
+    **profile.flags(),
     "health-check": "readyz",
     "health-check-ca-file": SA_CA,
     "handover-socket": "/run/extractedprism/handover.sock",
@@ -547,9 +552,9 @@ def test_pod_monitor_is_off_by_default_and_scrapes_the_health_port_when_on() -> 
 # --- failures: required values, render-time checks, schema ---------------------------------
 
 
-@pytest.mark.parametrize("values", [None, {"endpoints": []}, {"endpoints": ""},
-                                    {"endpoints": " , "}], ids=["absent", "empty-list",
-                                                               "empty-string", "only-commas"])
+# Every other endpoint list: tests/deploy/test_chart_endpoints.py.
+@pytest.mark.parametrize("values", [None, {"endpoints": []}, {"endpoints": ""}],
+                         ids=["absent", "empty-list", "empty-string"])
 def test_render_without_endpoints_fails_with_a_clear_message(values) -> None:
     with pytest.raises(h.HelmError, match="endpoints is required"):
         render(values)
@@ -562,7 +567,7 @@ def test_render_without_endpoints_fails_with_a_clear_message(values) -> None:
     ({"healthCheckKeyFile": "/k.pem"}, "must be set together"),
     ({"bindPort": 7446}, r"--bind-port \(7446\) and --health-port \(7446\) must differ"),
     ({"podMonitor": {"enabled": True}}, "podMonitor.enabled needs a health server"),
-    ({"healthRecheck": "30s"},
+    ({"healthRecheck": "30s", "healthInterval": "20s"},
      r"--health-recheck \(30s\) must not be more than --health-interval \(20s\)"),
     ({"healthRecheck": "500ms"}, r"--health-recheck \(500ms\) must be at least 1s"),
 ], ids=["readyz-no-ca", "cert-no-key", "key-no-cert", "same-ports", "podmonitor-loopback",
@@ -587,7 +592,7 @@ def test_render_time_checks_mirror_the_programs_validation(values, message) -> N
     ({"unreadyDrainTimeout": "-1s"}, "/unreadyDrainTimeout"),
     ({"healthRecheck": "2 s"}, "/healthRecheck"),
     ({"maxConnections": 0}, "/maxConnections"),
-    ({"endpoints": ["10.0.0.1"]}, "/endpoints"),
+    ({"endpoints": [6443]}, "/endpoints"),  # the rules: test_chart_endpoints.py
     ({"endpoints": 6443}, "/endpoints"),
     ({"healthCheckServerName": ""}, "/healthCheckServerName"),
     ({"bindPorts": 7445}, "bindPorts"),

@@ -77,7 +77,7 @@ def chart_problems(values: dict[str, Any]) -> list[str] | None:
 
 RULES: dict[str, dict[str, Any]] = {
     # The values that crash-looped every node before: timeout not below interval.
-    "timeout-not-below-interval": {"healthInterval": "10s"},
+    "timeout-not-below-interval": {"healthInterval": "10s", "healthTimeout": "15s"},
     "timeout-equal-to-interval": {"healthInterval": "15s", "healthTimeout": "15s"},
     "threshold-not-above-liveness-interval": {"livenessThreshold": "5s"},
     "threshold-below-liveness-interval": {"livenessInterval": "20s", "livenessThreshold": "10s"},

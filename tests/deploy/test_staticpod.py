@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import yaml
 
 import extractedprism
+from extractedprism.config import profile
 from extractedprism.config.flags import parse_duration
 from extractedprism.config.table import FLAGS, ConfigError, validate
 from extractedprism.ops import staticpod
@@ -26,6 +28,8 @@ from tests.util import ROOT
 ENV_NAMES = {f.env for f in FLAGS}
 ENDPOINTS = "192.0.2.11:6443,192.0.2.12:6443,192.0.2.13:6443"
 KUBECONFIG = "/etc/extractedprism/kubeconfig"
+# The production profile's readyz needs the cluster CA (tests/deploy/test_profile.py).
+CA_ARG = "--health-check-ca-file=/etc/kubernetes/pki/ca.crt"
 
 
 def _values() -> dict[str, Any]:
@@ -69,7 +73,9 @@ def config_of(pod: dict[str, Any]) -> Any:
 
 
 CASES: dict[str, list[str]] = {
-    "static-only": [f"--endpoints={ENDPOINTS}", "--enable-discovery=false"],
+    "static-only": [f"--endpoints={ENDPOINTS}", "--enable-discovery=false", CA_ARG],
+    "static-only-spec-defaults": [f"--endpoints={ENDPOINTS}", "--enable-discovery=false",
+                                  "--profile=none"],
     "discovery-readyz-kubelet-cert": [
         f"--endpoints={ENDPOINTS}", f"--kubeconfig={KUBECONFIG}", "--health-check=readyz",
         "--health-check-ca-file=/etc/kubernetes/pki/ca.crt",
@@ -78,11 +84,12 @@ CASES: dict[str, list[str]] = {
         "--health-check-token-file=/etc/extractedprism/token"],
     "wildcard-health-other-ports": [
         f"--endpoints={ENDPOINTS}", "--enable-discovery=false", "--bind-port=17445",
-        "--health-port=17446", "--health-bind-address=0.0.0.0", "--image=registry.example/ep:1"],
+        "--health-port=17446", "--health-bind-address=0.0.0.0", "--image=registry.example/ep:1",
+        CA_ARG],
     "node-ip-health": [f"--endpoints={ENDPOINTS}", "--enable-discovery=false",
-                       "--health-bind-address=192.0.2.50"],
+                       "--health-bind-address=192.0.2.50", CA_ARG],
     "state-file-and-drain": [
-        f"--endpoints={ENDPOINTS}", f"--kubeconfig={KUBECONFIG}",
+        f"--endpoints={ENDPOINTS}", f"--kubeconfig={KUBECONFIG}", CA_ARG,
         "--state-file=/var/lib/extractedprism/state.json", "--shutdown-drain-timeout=20s"],
 }
 
@@ -141,14 +148,16 @@ def test_manifest_is_a_valid_static_pod_with_the_charts_hardening(case: str) -> 
     assert c["image"] == image
 
 
-def test_the_env_is_exactly_the_flags_given() -> None:
+def test_the_env_is_exactly_the_flags_given_and_the_profile() -> None:
     args = CASES["discovery-readyz-kubelet-cert"]
-    env = env_of(pod_for(*args))
     given = {}
     for arg in args:
         name, value = arg[2:].split("=", 1)
         given["EP_" + name.upper().replace("-", "_")] = value
-    assert env == given
+    # The production profile fills in what was not given; a given value wins.
+    assert env_of(pod_for(*args, "--health-interval=10s")) == {
+        **profile.env(), **given, "EP_HEALTH_INTERVAL": "10s"}
+    assert env_of(pod_for(*args, "--profile=none")) == given
 
 
 def test_default_image_is_the_one_named_in_the_chart_and_the_examples() -> None:
@@ -187,7 +196,7 @@ def test_flags_are_validated_exactly_like_the_server(case: str) -> None:
     args = [f"--endpoints={ENDPOINTS}", "--enable-discovery=false", *BAD[case]]
     server = run_cli(*args)  # exits 2 before it opens any port
     assert server.returncode == 2, server.stderr
-    pod = run_cli("static-pod", *args)
+    pod = run_cli("static-pod", "--profile=none", *args)  # the server's defaults too
     assert pod.returncode == 2
     assert pod.stdout == ""
     assert pod.stderr == server.stderr  # the same problems, the same words
@@ -197,7 +206,7 @@ def test_flags_are_validated_exactly_like_the_server(case: str) -> None:
 def test_discovery_without_a_kubeconfig_is_accepted_like_the_server_but_warned() -> None:
     # The server accepts discovery without in-cluster credentials (it logs the failure), so
     # static-pod does too; it says once, on stderr, that discovery cannot work like that.
-    proc = run_cli("static-pod", f"--endpoints={ENDPOINTS}")
+    proc = run_cli("static-pod", f"--endpoints={ENDPOINTS}", CA_ARG)
     assert proc.returncode == 0, proc.stderr
     (warning,) = proc.stderr.splitlines()
     assert "warning" in warning and "--kubeconfig" in warning and "--enable-discovery" in warning
@@ -248,10 +257,22 @@ def _env_file() -> dict[str, str]:
     return out
 
 
+def _profile_env_file() -> dict[str, str]:
+    out = {}
+    for line in (SYSTEMD / "profile.env").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            out[key] = value
+    return out
+
+
 def test_systemd_env_file_is_a_configuration_the_program_accepts() -> None:
     env = _env_file()
     unit = _unit()
+    # Two EnvironmentFile lines (profile.env, then this one); configparser keeps the last.
     assert unit["Service"]["EnvironmentFile"] == "/etc/extractedprism/extractedprism.env"
+    for key, value in _profile_env_file().items():
+        env.setdefault(key, value)
     for line in unit["Service"]["Environment"].split():
         key, _, value = line.partition("=")
         env[key] = value.replace("%d", "/run/credentials/extractedprism.service")
@@ -297,3 +318,26 @@ def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:
     problems = [line for line in (proc.stdout + proc.stderr).splitlines()
                 if "extractedprism.service" in line]
     assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+
+
+# --- plain YAML (issue 30 item 6) --------------------------------------------------------
+
+ANCHOR = re.compile(r"(^|[\s:\-\[{,])[&*][A-Za-z0-9_]+")
+
+
+def test_output_is_plain_yaml_without_anchors_and_parses_to_the_same_pod() -> None:
+    # The init container and the proxy share the host directories' mounts: the case that
+    # printed `- &id001 ...` / `- *id001` before.
+    args = [f"--endpoints={ENDPOINTS}", f"--kubeconfig={KUBECONFIG}", CA_ARG,
+            "--state-file=/var/lib/extractedprism/state.json",
+            "--handover-socket=/run/extractedprism/handover.sock"]
+    proc = run_cli("static-pod", *args)
+    assert proc.returncode == 0, proc.stderr
+    assert not [line for line in proc.stdout.splitlines() if ANCHOR.search(line)], proc.stdout
+    pod, _ = staticpod.render(args)
+    (init,) = pod["spec"]["initContainers"]
+    assert any(m in init["volumeMounts"] for m in pod["spec"]["containers"][0]["volumeMounts"])
+    (printed,) = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    assert printed == pod
+    # The pattern does find an anchor where PyYAML's own dumper writes one.
+    assert ANCHOR.search(yaml.safe_dump(pod, sort_keys=False))

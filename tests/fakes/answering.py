@@ -24,17 +24,31 @@ class Fake:
 
     ``answer_after``: seconds after a connection's first bytes before it echoes them (and
     everything after); None: it never answers. ``read=False``: it never even reads (a
-    frozen process: the kernel accepts and buffers)."""
+    frozen process: the kernel accepts and buffers). ``reset_after``: seconds after a
+    connection's first bytes before it resets the connection without a word (a crashing
+    server; ``answer_after`` is then ignored). ``greet``: bytes it sends as soon as it
+    accepts, before reading anything. ``rcvbuf``: its sockets' SO_RCVBUF (a small one
+    with ``read=False`` stops a sender after a few KiB). ``mark``: bytes put before its
+    answer, so a client can tell which upstream answered it."""
 
-    def __init__(self, answer_after: float | None = 0.0, read: bool = True) -> None:
+    def __init__(self, answer_after: float | None = 0.0, read: bool = True,
+                 reset_after: float | None = None, greet: bytes = b"",
+                 rcvbuf: int | None = None, mark: bytes = b"") -> None:
         self.answer_after = answer_after
         self.read = read
+        self.reset_after = reset_after
+        self.greet = greet
+        self.mark = mark
         self.lock = threading.Lock()
         self.got: list[bytearray] = []  # per connection, in accept order
         self.closed = 0  # connections the proxy closed
         self.conns: list[socket.socket] = []
         self.stopped = False
-        self.sock = socket.create_server(("127.0.0.1", 0), backlog=256)
+        self.sock = socket.socket()
+        if rcvbuf is not None:  # before listen(): accepted sockets inherit it
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
         self.endpoint = Endpoint("127.0.0.1", self.sock.getsockname()[1])
         self.address = str(self.endpoint)
         threading.Thread(target=self._accept, name="test-fake-accept", daemon=True).start()
@@ -50,6 +64,8 @@ class Fake:
                     self.conns.append(conn)
                     buf = bytearray()
                     self.got.append(buf)
+                if self.greet:
+                    conn.sendall(self.greet)
                 if self.read:
                     threading.Thread(target=self._serve, args=(conn, buf), daemon=True,
                                      name="test-fake-conn").start()
@@ -60,12 +76,18 @@ class Fake:
             while chunk := conn.recv(65536):
                 with self.lock:
                     buf += chunk
+                if self.reset_after is not None:
+                    time.sleep(self.reset_after)
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                    struct.pack("ii", 1, 0))
+                    conn.close()
+                    break
                 if self.answer_after is None:
                     continue
                 if not answered:
                     time.sleep(self.answer_after)
                     answered = True
-                    conn.sendall(bytes(buf))
+                    conn.sendall(self.mark + bytes(buf))
                 else:
                     conn.sendall(chunk)
             conn.shutdown(socket.SHUT_WR)  # pass the client's half-close on, as echo does

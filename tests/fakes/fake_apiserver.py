@@ -177,6 +177,7 @@ class _Failure:
     kind: str  # "list" | "watch" | "any"
     status: int
     remaining: int | None  # None: forever
+    retry_after: str | None = None  # a Retry-After header's value
 
 
 def _parse_selector(text: str) -> dict[str, str] | None:
@@ -298,9 +299,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     # --- response helpers used by FakeApiServer ---
 
-    def send_json(self, code: int, body: Any) -> None:
+    def send_json(self, code: int, body: Any, headers: dict[str, str] | None = None) -> None:
         data = (json.dumps(body) + "\n").encode()
         self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-cache, private")
@@ -317,8 +320,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
-    def send_status(self, code: int, message: str) -> None:
-        self.send_json(code, status_object(code, _REASONS.get(code, "Unknown"), message))
+    def send_status(self, code: int, message: str,
+                    headers: dict[str, str] | None = None) -> None:
+        self.send_json(code, status_object(code, _REASONS.get(code, "Unknown"), message),
+                       headers)
 
     def write_chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -335,12 +340,13 @@ class FakeApiServer:
         self._bind_port = port  # 0: any free port
         self.too_old = too_old
         self.tokens = {token}
+        self._names = tuple(names)
         self.ca = trustme.CA()
-        cert = self.ca.issue_cert(*names)
-        self.ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        cert.configure_cert(self.ssl_context)
+        # With a client CA, a client certificate it signed is required and
+        # authenticates the request (as the API server's --client-ca-file).
+        self.client_ca: trustme.CA | None = None
         self.sni_names: list[str | None] = []  # the TLS server name of every handshake
-        self.ssl_context.sni_callback = self._record_sni
+        self.ssl_context = self._context()
         self._lock = threading.Lock()
         self._rv = 100
         self._min_rv = 0  # watches from a resourceVersion below this get 410
@@ -404,6 +410,41 @@ class FakeApiServer:
 
     def ca_pem(self) -> bytes:
         return self.ca.cert_pem.bytes()
+
+    def _context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.ca.issue_cert(*self._names).configure_cert(ctx)
+        if self.client_ca is not None:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            self.client_ca.configure_trust(ctx)
+        ctx.sni_callback = self._record_sni
+        return ctx
+
+    def _cut_connections(self) -> None:
+        """Every live connection ends (watches as dropped): clients must connect again,
+        under whatever the server now presents and requires."""
+        with self._lock:
+            for st in self._streams:
+                st.q.put(_DROP)
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(c, socket.SHUT_RDWR)
+
+    def rotate_ca(self, ca: trustme.CA | None = None) -> trustme.CA:
+        """A new serving CA (``ca``, or one made now) and certificate: the old CA no
+        longer verifies it; every live connection is cut. Returns the new CA."""
+        self.ca = ca if ca is not None else trustme.CA()
+        self.ssl_context = self._context()
+        self._cut_connections()
+        return self.ca
+
+    def require_client_ca(self, ca: trustme.CA | None) -> None:
+        """Require client certificates signed by ``ca`` (None: none asked for) from the
+        next handshake on; every live connection is cut."""
+        self.client_ca = ca
+        self.ssl_context = self._context()
+        self._cut_connections()
 
     def write_service_account(self, directory: Path | str) -> Path:
         """Write ``token`` and ``ca.crt`` as the kubelet mounts them; returns the dir."""
@@ -571,11 +612,13 @@ class FakeApiServer:
 
     # --- test controls: failures and tokens ---
 
-    def fail(self, kind: str, status: int, count: int | None = 1) -> None:
-        """Answer the next ``count`` (None: every) list/watch/any call with ``status``."""
+    def fail(self, kind: str, status: int, count: int | None = 1, *,
+             retry_after: str | None = None) -> None:
+        """Answer the next ``count`` (None: every) list/watch/any call with ``status``
+        (and a ``Retry-After`` header when given)."""
         assert kind in ("list", "watch", "any")
         with self._lock:
-            self._failures.append(_Failure(kind, status, count))
+            self._failures.append(_Failure(kind, status, count, retry_after))
 
     def drip_next_list(self, interval: float) -> None:
         """Answer the next list call with the real list, one byte every ``interval`` s
@@ -615,8 +658,12 @@ class FakeApiServer:
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         auth = h.headers.get("Authorization", "")
         scheme, _, token = auth.partition(" ")
+        # A verified client certificate authenticates as the API server's
+        # --client-ca-file does (the handshake already refused any other).
+        by_cert = self.client_ca is not None and bool(h.request.getpeercert())
         with self._lock:
-            authorized = scheme.lower() == "bearer" and token.strip() in self.tokens
+            authorized = by_cert or (scheme.lower() == "bearer"
+                                     and token.strip() in self.tokens)
             req = RecordedRequest(time.monotonic(), h.command, parts.path, query, authorized)
             self.requests.append(req)
         path = parts.path
@@ -636,7 +683,8 @@ class FakeApiServer:
         namespace = path[len(SLICES_PREFIX):].split("/")[0]
         failure = self._take_failure("watch" if req.is_watch else "list")
         if failure is not None:
-            h.send_status(failure, "injected failure")
+            h.send_status(failure.status, "injected failure",
+                          {"Retry-After": failure.retry_after} if failure.retry_after else None)
             return
         selector = _parse_selector(query.get("labelSelector", ""))
         if selector is None:
@@ -701,7 +749,7 @@ class FakeApiServer:
             h.wfile.flush()
             time.sleep(drip)
 
-    def _take_failure(self, kind: str) -> int | None:
+    def _take_failure(self, kind: str) -> _Failure | None:
         with self._lock:
             for f in self._failures:
                 if f.kind in (kind, "any"):
@@ -709,7 +757,7 @@ class FakeApiServer:
                         f.remaining -= 1
                         if f.remaining <= 0:
                             self._failures.remove(f)
-                    return f.status
+                    return f
         return None
 
     def _serve_watch(self, h: _Handler, namespace: str, selector: dict[str, str],

@@ -5,7 +5,11 @@
   ``/version`` (JSON with its name), ``/whoami`` (its name), ``/watch`` (a chunked stream
   with one line every ``watch_interval`` s until closed, like a watch), ``/echo`` (POST
   body back). With ``mode="echo"`` it is a raw byte echo behind (optional) TLS. It records
-  every request with its ``Authorization`` header and the client certificate it saw.
+  every request with its ``Authorization`` header and the client certificate it saw, and
+  counts completed TLS handshakes (``handshakes``). ``set_readyz_framing`` picks how
+  ``/readyz`` answers are framed (Content-Length, chunked, or to the close);
+  ``set_drop_after`` closes a connection, unanswered, when the next request after N
+  comes on it (an idle-timeout close racing the client's request).
 * :class:`EchoServer` (plain TCP echo) and :class:`IdentityServer` (writes ``name\\n`` on
   accept, then echoes) for byte-integrity and "which upstream served me" checks.
 
@@ -353,6 +357,9 @@ class FakeUpstream(_Server):
         self._ready_gate.set()
         self._records: list[RequestRecord] = []
         self.hits: Counter[str] = Counter()
+        self.handshakes = 0
+        self.readyz_framing = "length"
+        self.drop_after: int | None = None
         self._ctx: ssl.SSLContext | None = None
         if tls:
             assert self.ca is not None
@@ -370,6 +377,18 @@ class FakeUpstream(_Server):
     def set_ready_status(self, status: int) -> None:
         """Status ``/readyz`` answers from now on (302 carries a Location header)."""
         self.ready_status = status
+
+    def set_readyz_framing(self, framing: str) -> None:
+        """``length`` (Content-Length, the default), ``chunked``, ``close`` (no length,
+        the body ends with the connection) or ``close-header`` (Content-Length and
+        ``Connection: close``)."""
+        if framing not in ("length", "chunked", "close", "close-header"):
+            raise ValueError(f"unknown framing {framing!r}")
+        self.readyz_framing = framing
+
+    def set_drop_after(self, n: int | None) -> None:
+        """Close each connection without an answer when request ``n + 1`` arrives on it."""
+        self.drop_after = n
 
     def set_ready_hang(self, hang: bool) -> None:
         """While True, ``/readyz`` reads the request and never answers; stop() ends such
@@ -414,6 +433,8 @@ class FakeUpstream(_Server):
         try:
             if tls is not None:
                 tls.do_handshake()
+                with self._lock:
+                    self.handshakes += 1
                 cert = tls.getpeercert() or None
                 der = tls.getpeercert(binary_form=True)
             conn.settimeout(None)
@@ -438,6 +459,7 @@ class FakeUpstream(_Server):
                               keep_alive=False)
                 return
         rfile = conn.makefile("rb")
+        served = 0
         try:
             while not self.closing.is_set():
                 conn.settimeout(self.request_timeout)
@@ -461,6 +483,9 @@ class FakeUpstream(_Server):
                 length = int(headers.get("content-length", "0") or 0)
                 if length:
                     body = rfile.read(length)
+                if self.drop_after is not None and served >= self.drop_after:
+                    return  # closed unanswered
+                served += 1
                 record = RequestRecord(method, path, headers, cert, der, cn, peer)
                 route = path.split("?", 1)[0]
                 with self._lock:
@@ -485,7 +510,7 @@ class FakeUpstream(_Server):
             status = self.ready_status
             extra = {"Location": "/readyz/elsewhere"} if 300 <= status < 400 else {}
             text = b"ok" if status == 200 else b"[-]etcd failed: reason withheld\nreadyz failed"
-            self._respond(conn, status, text, extra=extra, keep_alive=keep_alive)
+            return self._respond_readyz(conn, status, text, extra, keep_alive)
         elif route in ("/livez", "/healthz"):
             self._respond(conn, 200, b"ok", keep_alive=keep_alive)
         elif route == "/version":
@@ -513,6 +538,27 @@ class FakeUpstream(_Server):
                 "Connection: keep-alive" if keep_alive else "Connection: close"]
         head += [f"{k}: {v}" for k, v in (extra or {}).items()]
         conn.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+
+    def _respond_readyz(self, conn: socket.socket, status: int, text: bytes,
+                        extra: dict[str, str], keep_alive: bool) -> bool:
+        framing = self.readyz_framing
+        if framing == "length":
+            self._respond(conn, status, text, extra=extra, keep_alive=keep_alive)
+            return True
+        if framing == "close-header":
+            self._respond(conn, status, text, extra=extra, keep_alive=False)
+            return False
+        head = f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\nContent-Type: text/plain\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in extra.items())
+        if framing == "close":
+            conn.sendall(head.encode() + b"\r\n" + text)
+            return False
+        half = len(text) // 2
+        body = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(part), part)
+                        for part in (text[:half], text[half:]) if part)
+        conn.sendall(head.encode() + b"Transfer-Encoding: chunked\r\n\r\n" + body
+                     + b"0\r\nX-Trailer: t\r\n\r\n")
+        return True
 
     def _watch(self, conn: socket.socket) -> None:
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"

@@ -63,7 +63,7 @@ def _steps(relay: str) -> list[str]:
     """Each step between accept and relay, where an exception is injected."""
     if relay == "native":
         return ["dialer.native_target", "dialer.native_connect", "Pipe.__init__",
-                "Pipe.can_judge", "Registry.attach_unjudged", "Pipe.run_judged"]
+                "Pipe.can_judge", "Registry.attach_judging", "Pipe.run_judged"]
     return ["dialer.begin_connect", "Pipe.__init__", "first_answer.wait_answer",
             "Registry.attach", "Pipe.run"]
 

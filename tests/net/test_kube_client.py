@@ -1,8 +1,9 @@
-"""The two transports of discovery/kube.py against a recording TLS server: the in-cluster
-one (http.client, neither ``kubernetes`` nor urllib3 imported) behaves as the
-``kubernetes`` client (urllib3) does for a kubeconfig: the same bytes on the wire, the
-same retries of a request without an answer and of a Retry-After, the same reuse of a
-kept-alive connection; and a fresh interpreter running in-cluster discovery imports
+"""The transports of discovery/kube.py against a recording TLS server: our own client
+(http.client, neither ``kubernetes`` nor urllib3 imported), in a cluster and with a
+kubeconfig, behaves as the ``kubernetes`` client (urllib3; what a kubeconfig with an
+exec plugin still uses) does: the same bytes on the wire, the same retries of a request
+without an answer and of a Retry-After, the same reuse of a kept-alive connection; and
+a fresh interpreter running discovery, in a cluster or with a kubeconfig, imports
 neither package."""
 
 from __future__ import annotations
@@ -119,20 +120,23 @@ def test_in_cluster_requests_are_the_kubernetes_clients(api: FakeApiServer,
                      bind_port=rec.port)
         in_cluster = kube.build_client(cfg, str(sa))
         assert isinstance(in_cluster, kube.KubeClient)
-        assert isinstance(in_cluster.api, kube.InClusterApi)
+        assert isinstance(in_cluster.api, kube.HttpApi)
         assert _calls(in_cluster) == ["500 Nope", "500 Nope"]
-        # The same server as a kubeconfig, read by the kubernetes package, verified as
+        # The same server as a kubeconfig, read by our own kubeconfig reader, verified as
         # kubernetes.default.svc like the in-cluster client.
         kc = api.write_kubeconfig(tmp_path / "kc", server=f"https://127.0.0.1:{rec.port}",
                                   tls_server_name=kube.TLS_SERVER_NAME)
         by_kubeconfig = kube.build_client(cfg.replace(kubeconfig=str(kc)), str(sa))
         assert isinstance(by_kubeconfig, kube.KubeClient)
-        assert isinstance(by_kubeconfig.api, kube.KubeconfigApi)
+        assert isinstance(by_kubeconfig.api, kube.HttpApi)
         assert _calls(by_kubeconfig) == ["500 Nope", "500 Nope"]
+        # And read by the kubernetes package (the exec-plugin path).
+        assert _calls(kube.KubeClient(kube.PluginApi(str(kc)))) == ["500 Nope", "500 Nope"]
     finally:
         rec.close()
-    assert len(rec.heads) == 4
-    assert rec.heads[:2] == rec.heads[2:]  # byte for byte: request lines and headers
+    assert len(rec.heads) == 6
+    # byte for byte: request lines and headers
+    assert rec.heads[:2] == rec.heads[2:4] == rec.heads[4:]
     assert rec.heads[0].startswith(
         b"GET /apis/discovery.k8s.io/v1/namespaces/default/endpointslices?"
         b"labelSelector=kubernetes.io/service-name%3Dkubernetes HTTP/1.1\r\n")
@@ -145,19 +149,20 @@ def test_in_cluster_requests_are_the_kubernetes_clients(api: FakeApiServer,
 
 def _both(api: FakeApiServer, tmp_path: Path, answers: list[bytes]
           ) -> Iterator[tuple[kube.KubeClient, Recorder]]:
-    """The in-cluster client, then the kubeconfig one, each with a fresh recorder."""
+    """The in-cluster client, the kubeconfig one, then the kubernetes package's, each
+    with a fresh recorder."""
     sa = api.write_service_account(tmp_path / "sa")
-    for transport in ("in-cluster", "kubeconfig"):
+    for transport in ("in-cluster", "kubeconfig", "kubernetes-package"):
         rec = Recorder(api, answers)
         try:
             cfg = Config(endpoints=(Endpoint("127.0.0.1", 1),), bind_address="127.0.0.1",
                          bind_port=rec.port)
+            kc = api.write_kubeconfig(tmp_path / "kc", server=f"https://127.0.0.1:{rec.port}",
+                                      tls_server_name=kube.TLS_SERVER_NAME)
             if transport == "kubeconfig":
-                kc = api.write_kubeconfig(tmp_path / "kc",
-                                          server=f"https://127.0.0.1:{rec.port}",
-                                          tls_server_name=kube.TLS_SERVER_NAME)
                 cfg = cfg.replace(kubeconfig=str(kc))
-            client = kube.build_client(cfg, str(sa))
+            client = (kube.KubeClient(kube.PluginApi(str(kc)))
+                      if transport == "kubernetes-package" else kube.build_client(cfg, str(sa)))
             assert client is not None
             try:
                 yield client, rec
@@ -178,7 +183,7 @@ def test_a_request_without_an_answer_is_tried_again_three_times(
             client.list_slices()
         outcomes.append((len(rec.heads), rec.connections))
         assert not isinstance(exc.value, kube.ApiError)
-    assert outcomes == [(4, 4), (4, 4)]  # urllib3's Retry(3): four attempts, then fail
+    assert outcomes == [(4, 4)] * 3  # urllib3's Retry(3): four attempts, then fail
 
 
 def test_retry_after_is_waited_then_tried_again(api: FakeApiServer, tmp_path: Path) -> None:
@@ -187,7 +192,7 @@ def test_retry_after_is_waited_then_tried_again(api: FakeApiServer, tmp_path: Pa
         with pytest.raises(kube.ApiError) as exc:
             client.list_slices()
         outcomes.append((exc.value.status, len(rec.heads)))
-    assert outcomes == [(500, 3), (500, 3)]
+    assert outcomes == [(500, 3)] * 3
 
 
 def test_a_kept_alive_connection_is_reused(api: FakeApiServer, tmp_path: Path) -> None:
@@ -196,7 +201,7 @@ def test_a_kept_alive_connection_is_reused(api: FakeApiServer, tmp_path: Path) -
         assert client.list_slices() == ([], "7")
         assert client.list_slices() == ([], "7")
         outcomes.append((len(rec.heads), rec.connections))
-    assert outcomes == [(2, 1), (2, 1)]
+    assert outcomes == [(2, 1)] * 3
 
 
 def test_a_connection_the_server_closed_is_not_reused(api: FakeApiServer,
@@ -209,7 +214,7 @@ def test_a_connection_the_server_closed_is_not_reused(api: FakeApiServer,
         # tried again: the server sees the same either way).
         assert client.list_slices() == ([], "7")
         outcomes.append((len(rec.heads), rec.connections))
-    assert outcomes == [(2, 2), (2, 2)]
+    assert outcomes == [(2, 2)] * 3
 
 
 def test_in_cluster_discovery_does_not_import_kubernetes(api: FakeApiServer,

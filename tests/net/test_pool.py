@@ -116,3 +116,38 @@ def test_an_idle_pool_keeps_a_few_warm_threads_asleep(make_app, servers):
     assert pool.view().idle == pool_mod.WARM_THREADS
     with socket.create_connection(app.proxy_address, timeout=5) as s:  # still serves
         assert s.recv(10).startswith(b"up")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("held", [2, 3])
+def test_warm_threads_and_the_trim_count_parked_threads_only(make_app, servers, monkeypatch,
+                                                             held):
+    """Issue 29, item 9: long-lived connections keep their threads busy; they are not
+    warm. After a burst the pool keeps WARM_THREADS parked threads beside them, and the
+    last surplus thread to leave trims the heap."""
+    ups = servers(1, IdentityServer)
+    app = make_app([u.endpoint for u in ups])
+    pool = app.proxy.pipe_pool
+    pool.idle_exit_s = pool_mod.PIPE_IDLE_RELEASE_S + 0.5  # surplus retires soon after
+    trims: list[float] = []
+    monkeypatch.setattr(pool_mod.heap, "trim", lambda: trims.append(time.monotonic()))
+    long_lived = [socket.create_connection(app.proxy_address, timeout=5) for _ in range(held)]
+    try:
+        for s in long_lived:
+            assert s.recv(10).startswith(b"up")
+        burst = [socket.create_connection(app.proxy_address, timeout=5) for _ in range(6)]
+        for s in burst:
+            assert s.recv(10).startswith(b"up")
+        for s in burst:
+            s.close()
+        wait_until(lambda: pool.view().threads == held + pool_mod.WARM_THREADS, 20,
+                   message=f"{pool_mod.WARM_THREADS} warm threads beside {held} busy "
+                   f"(now {pool.view()})")
+        wait_until(lambda: trims, 5, message="the heap trimmed once the surplus left")
+        time.sleep(pool.idle_exit_s + 0.5)  # the warm ones stay (deliberate wait)
+        view = pool.view()
+        assert view.idle == pool_mod.WARM_THREADS, view
+        assert len(trims) == 1
+    finally:
+        for s in long_lived:
+            s.close()

@@ -344,7 +344,7 @@ def test_token_never_logged(up: FakeUpstream, ca_file: str, tmp_path: Path,
     def boom(*args: object, **kw: object) -> None:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(probes, "_read_status", boom)  # the unexpected-error path logs
+    monkeypatch.setattr(probes, "_read_head", boom)  # the unexpected-error path logs
     results.append(probe(up.endpoint, 2.0, settings(ca_file, token_file=str(token))))
     assert results[1].ready is False and results[1].ready_reason.startswith("unexpected error")
     # The logging path did run (with its traceback), so the check below looks at something.

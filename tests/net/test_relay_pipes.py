@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 import threading
 import time
 
 import pytest
 
+from extractedprism.datapath import native
 from tests.fakes.upstream import EchoServer
 from tests.util import connect, wait_until
 
@@ -74,3 +76,20 @@ def test_bulk_grows_the_pipes_and_they_shrink_after(make_app, servers) -> None:
     # Ended: every pipe the pipe thread keeps is a default one again.
     wait_until(lambda: max(pipe_sizes(), default=DEFAULT) <= DEFAULT, timeout=10,
                message="the grown pipes shrunk back")
+
+
+@pytest.mark.skipif(native.EXTENSION is None, reason="the native relay is not built")
+def test_the_native_first_answer_takes_any_timeout_without_overflow():
+    """Issue 29, item 10: a timeout past a C int (--answer-hedge-delay >= ~596 h) raised
+    OverflowError on every judged connection; it is held to what poll() takes."""
+    ext = native.EXTENSION
+    assert ext is not None
+    a, b = socket.socketpair()
+    try:
+        # Cleartext first bytes: sent on and not judged, so no wait whatever the timeout.
+        for timeout in (2**40, -5):
+            assert ext.first_answer(a.fileno(), b.fileno(), timeout, b"GET /", 0) == (
+                1, b"GET /")
+    finally:
+        a.close()
+        b.close()

@@ -245,7 +245,7 @@ def test_drain_race_replays_only_a_client_hello(make_app, fakes, relay, first, m
                    health_timeout=1.0, answer_hedge_delay=0.2, relay=relay)
     reg = app.registry
     raced: list[str] = []
-    for name in ("attach", "attach_unjudged"):
+    for name in ("attach", "attach_judging"):
         real = getattr(reg, name)
 
         def racing(res, conn, _real=real):  # type: ignore[no-untyped-def]

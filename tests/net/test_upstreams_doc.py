@@ -26,8 +26,8 @@ UPSTREAM_KEYS = {
     "address", "source", "state", "since", "healthy", "draining", "draining_reason",
     "close_deadline", "ready", "readiness", "ready_reason", "failures", "last_check_at",
     "last_check_error", "last_error_source", "tier", "rtt_seconds", "active_connections",
-    "total_connections", "bytes_up", "bytes_down", "answer_hedges", "admin",
-    "connection_share", "fair_share", "weight", "rebalance_closes", "stalls",
+    "total_connections", "dials_in_flight", "bytes_up", "bytes_down", "answer_hedges",
+    "admin", "connection_share", "fair_share", "weight", "rebalance_closes", "stalls",
     "stalled_connections", "stall_checks",
 }
 
@@ -99,6 +99,7 @@ def test_top_level_keys_and_a_healthy_upstream(make_app, servers) -> None:
         assert u["close_deadline"] is None
         assert u["ready"] is None and u["readiness"] == "n/a" and u["ready_reason"]
         assert u["active_connections"] == 1 and u["total_connections"] == 1
+        assert u["dials_in_flight"] == 0  # attached: its reservation ended
         assert u["bytes_up"] == 6
         assert u["admin"] is None
         assert u["connection_share"] == 1.0 and u["rebalance_closes"] == 0

@@ -20,7 +20,8 @@ import pytest
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.config.table import Config
 from extractedprism.discovery import kube
-from extractedprism.discovery.kube import ClientConfigError, proxy_url
+from extractedprism.discovery.credentials import ClientConfigError
+from extractedprism.discovery.kube import proxy_url
 from extractedprism.discovery.watch import KubernetesProvider
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
 from tests.util import FixedRandom, wait_until

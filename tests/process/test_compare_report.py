@@ -92,28 +92,70 @@ def _row(lb: str, gap: float, nr: dict | None = None) -> dict:
             "load": {"mean": 3.0, "max": 4.0}, "writer_failures": 0, "notes": []}
 
 
-def test_as_good_names_every_row_where_another_balancer_matches_or_beats() -> None:
-    rows = {"extractedprism": _row("extractedprism", 12.0), "haproxy": _row("haproxy", 10.0),
-            "nginx": _row("nginx", 30.0, {"n1": ["+55s Unknown"]}),
-            "go-original": _row("go-original", 12.6)}
-    good = compare_doc.as_good(rows, ["extractedprism", "haproxy", "nginx", "go-original"])
-    assert "longest Lease gap (s): better through HAProxy 10 (extractedprism 12)" in good
-    # Closer than the metric's tolerance (1 s for Lease gaps) is the same, not better/worse.
-    assert ("longest Lease gap (s): the same through Go original 12.6 (extractedprism 12, "
-            "within 1)") in good
-    assert ("nodes NotReady: the same through HAProxy 0, Go original 0 (extractedprism 0)"
-            in good)
-    assert not any("nginx" in g for g in good if g.startswith(("nodes", "longest Lease")))
+def _rows(fault: str, **figs: dict) -> dict[str, dict]:
+    """One row per balancer for ``fault``, each with the figures given for it."""
+    out = {}
+    for lb, f in figs.items():
+        r = _row(lb, f.get("gap", 10.4), f.get("nr"))
+        r["fault"] = fault
+        r["watch"]["n1"]["requests_failed"] = f.get("failed", 0)
+        r["watch"]["n1"]["gap_max_s"] = f.get("watch", 1.1)
+        r["skew_after"] = f.get("skew", 1.0)
+        r["exposed"] = {"kubelets": 1, "watches": f.get("exposed_watches", 1)}
+        out[lb] = r
+    return out
 
 
-def _doc(results: list[dict]) -> dict:
-    return {"started": "2026-12-02 07:00 UTC", "argv": ["scripts/compare"], "nodes": 3,
-            "faults": ["kill"], "lbs": ["extractedprism", "haproxy"], "skipped": {
-                "go-original": "needs --go-original-bin"},
-            "ep_recommended": compare.EP_RECOMMENDED, "versions": {"kubernetes": "v1.34.4"},
-            "timing": {"kill_down_s": 20, "stop_s": 30, "partition_s": 60, "watch_min_s": 65,
-                       "after_s": 30, "write_period_s": 1, "request_period_s": 1},
-            "results": results}
+def test_as_good_is_a_row_per_metric_with_the_peers_better_and_the_same() -> None:
+    rows = _rows("kill", extractedprism={"gap": 12.0, "failed": 2},
+                 haproxy={"gap": 10.0, "failed": 0},
+                 nginx={"gap": 30.0, "nr": {"n1": ["+55s Unknown"]}, "failed": 2},
+                 **{"go-original": {"gap": 12.6, "failed": 9},
+                    "extractedprism-stall": {"gap": 1.0, "failed": 0}})
+    good = {g[0]: g[1:] for g in compare_doc.as_good(rows, list(rows))}
+    # Closer than the metric's tolerance (1 s for Lease gaps) is the same, not better.
+    assert good["longest Lease gap (s)"] == ("12", "HAProxy 10", "Go original 12.6")
+    assert good["nodes NotReady"] == ("0", "-", "HAProxy 0, Go original 0")
+    assert good["request loop: failed"] == ("2", "HAProxy 0", "nginx 2")
+    # Our own variant is no peer.
+    assert not any("stall" in x for g in good.values() for x in g)
+
+
+def test_targets_met_and_missed_against_the_bound_and_the_best_peer() -> None:
+    stop = _rows("stop", extractedprism={"gap": 16.0, "failed": 1, "watch": 7.6},
+                 haproxy={"gap": 30.2, "failed": 0}, nginx={"gap": 30.3, "failed": 3})
+    assert compare_doc.target("stop", "longest Lease gap (s)", stop) == ("≤ 15", 16.0, False)
+    assert compare_doc.target("stop", "longest watch gap (s)", stop) == ("≤ 10", 7.6, True)
+    assert compare_doc.target("stop", "request loop: failed", stop) == (
+        "≤ 0 (best peer)", 1, False)
+    assert compare_doc.target("stop", "nodes NotReady", stop) == ("0", 0, True)
+    # No Lease-gap target on a kill, no skew target on a freeze.
+    assert compare_doc.target("kill", "longest Lease gap (s)", stop) is None
+    assert compare_doc.target("stop", "connection skew after (max/mean)", stop) is None
+    roll = _rows("rolling", extractedprism={"skew": 1.25}, haproxy={"skew": 3.0})
+    assert compare_doc.target("rolling", "connection skew after (max/mean)", roll)[2] is True
+    roll["extractedprism"]["skew_after"] = 1.33
+    assert compare_doc.target("rolling", "connection skew after (max/mean)", roll)[2] is False
+    # Without a peer the relative target cannot be judged; without ours, nothing is.
+    alone = _rows("kill", extractedprism={})
+    assert compare_doc.target("kill", "request loop: failed", alone)[2] is None
+    del stop["extractedprism"]
+    assert compare_doc.target("stop", "nodes NotReady", stop) == ("0", None, None)
+
+
+def _doc(results: list[dict], **kw: object) -> dict:
+    doc = {"started": "2026-12-02 07:00 UTC", "argv": ["scripts/compare"], "nodes": 3,
+           "commit": "0123456789ab", "faults": ["kill"], "lbs": ["extractedprism", "haproxy"],
+           "skipped": {"go-original": "needs --go-original-bin"},
+           "profile": ["--health-interval=5s", "--stall-timeout=2s"],
+           "profile_source": "`extractedprism profile --format args`",
+           "versions": {"kubernetes": "v1.34.4"},
+           "timing": {"kill_down_s": 20, "stop_s": 30, "partition_s": 60, "watch_min_s": 65,
+                      "after_s": 30, "settle_after_s": 80, "settle_rebalances": 4,
+                      "write_period_s": 1, "request_period_s": 1},
+           "results": results}
+    doc.update(kw)
+    return doc
 
 
 def test_render_keeps_the_notes_and_says_what_was_not_measured(tmp_path: Path) -> None:
@@ -122,9 +164,107 @@ def test_render_keeps_the_notes_and_says_what_was_not_measured(tmp_path: Path) -
     path = tmp_path / "compare.md"
     compare_doc.write(path, doc)
     first = path.read_text()
-    assert "| longest Lease gap (s) | 10.4 | error |" in first
+    assert "| longest Lease gap (s) | 10.4 |  | error |" in first
     assert "Go original: needs --go-original-bin" in first
-    assert " ".join(compare.EP_RECOMMENDED) in first
+    assert "--health-interval=5s --stall-timeout=2s" in first
     path.write_text(first.replace("(no reading written yet)", "A person's reading."))
     compare_doc.write(path, doc)
     assert "A person's reading." in path.read_text()
+
+
+def test_render_whole_matrix_targets_table_commit_once(tmp_path: Path) -> None:
+    """A run of every balancer, the stall variant on the freeze and the partition only:
+    targets beside our figures, the summary of targets, the peers' table, the commit
+    named once, the stall variant's column only where it ran."""
+    lbs = ["extractedprism", "haproxy", "nginx", "go-original", "extractedprism-stall"]
+    results = []
+    for fault in compare_doc.FAULTS:
+        figs = {"extractedprism": {"gap": 10.4 if fault != "partition" else 16.5,
+                                   "skew": 1.0 if fault != "scaleout" else 1.5},
+                "haproxy": {"gap": 30.2}, "nginx": {"gap": 30.3, "failed": 1},
+                "go-original": {"gap": 30.1, "failed": 4}}
+        if fault in ("stop", "partition"):
+            figs["extractedprism-stall"] = {"gap": 12.0}
+        results += list(_rows(fault, **figs).values())
+    variants = {b: {"kind": "x", "extra": [], "faults": list(compare_doc.FAULTS)}
+                for b in lbs}
+    variants["extractedprism-stall"] = {"kind": "extractedprism",
+                                        "extra": ["--stall-timeout=2s"],
+                                        "faults": ["stop", "partition"]}
+    doc = _doc(results, lbs=lbs, faults=list(compare_doc.FAULTS), skipped={},
+               variants=variants, took_s=2900)
+    path = tmp_path / "compare.md"
+    compare_doc.write(path, doc)
+    text = path.read_text()
+    assert text.count("0123456789ab") == 1
+    assert "Not measured" not in text
+    # The summary: 5 NotReady + 2 Lease + 4 watch + 5 failures + 2 skew targets.
+    assert "Met: 16 of 18." in text
+    assert "| longest Lease gap at most 15 s on the freeze and the partition |  |  | " \
+           "10.4: met | 16.5: **missed** |  |" in text
+    assert "| 1.5: **missed** |" in text
+    assert "| 0 (best peer 0): met |" in text
+    # Beside our figure in the fault's own table.
+    kill = text[text.index("### kill -9"):text.index("### SIGSTOP")]
+    assert ("| | extractedprism | target | HAProxy | nginx | Go original |\n" in kill)
+    assert "| request loop: failed | 0 | ≤ 0 (best peer): met | 0 | 1 | 4 |" in kill
+    assert "extractedprism, spec timings + stall check" not in kill
+    stop = text[text.index("### SIGSTOP"):text.index("### The API server carrying")]
+    assert ("| Go original | extractedprism, spec timings + stall check |" in stop)
+    # The peers' table: one line per metric, not a paragraph.
+    assert "| | extractedprism | better | as good |" in kill
+    assert "| request loop: failed | 0 | - | HAProxy 0 |" in kill
+    assert "Another balancer as good or better here" not in text
+    assert "`--stall-timeout=2s`" in text
+
+
+def test_saved_results_and_document_name_no_machine_path(tmp_path: Path) -> None:
+    """What the run stores is scrubbed: its command line relative, errors and notes
+    without /work, /tmp, /root paths; the rendered document has none either."""
+    root = str(compare.repo_root())
+    argv = compare.relative_argv([
+        "scripts/compare", "--go-original-bin", "/tmp/fleetwork/extractedprism-go",
+        f"--ep-cmd={root}/.venv/bin/python -m extractedprism", "--results",
+        f"{root}/docs/compare.json", "--doc=/work/elsewhere/compare.md"])
+    assert argv == ["scripts/compare", "--go-original-bin", "<path>",
+                    "--ep-cmd=.venv/bin/python -m extractedprism", "--results",
+                    "docs/compare.json", "--doc=<path>"]
+    assert compare.relative_argv(["--go-original-bin=/x/y"]) == ["--go-original-bin=<path>"]
+    row = _row("extractedprism", 10.4)
+    row["notes"] = ["log in /tmp/extractedprism-compare/run-1/fleet/n1/lb.log",
+                    f"from {root}/scripts/x.py", "GET /api/v1/nodes and /readyz kept"]
+    err = {"fault": "kill", "lb": "haproxy",
+           "error": "FleetError: lb-n1 exited; /root/.cache/extractedprism/bin/etcd: gone"}
+    doc = compare.scrub(_doc([row, err], argv=argv))
+    dumped = json.dumps(doc)
+    for machine in ("/tmp", "/work", "/root", root):
+        assert machine not in dumped
+    assert "GET /api/v1/nodes and /readyz kept" in dumped
+    assert "from scripts/x.py" in dumped
+    path = tmp_path / "compare.md"
+    compare_doc.write(path, doc)
+    text = path.read_text()
+    for machine in ("/tmp/", "/work/", "/root/", "/home/", root):
+        assert machine not in text
+    assert "`scripts/compare --go-original-bin <path> --ep-cmd=.venv/bin/python" in text
+
+
+def test_profile_comes_from_the_product_and_the_stall_variant_takes_only_its_stall() -> None:
+    profile = ["--health-check=readyz", "--health-interval=5s", "--stall-timeout=2s",
+               "--rebalance-interval=15s", "--slow-start=20s"]
+    assert compare.lb_extra("extractedprism", profile) == profile
+    assert compare.lb_extra("extractedprism-stall", profile) == ["--stall-timeout=2s"]
+    assert compare.lb_extra("haproxy", profile) == []
+    assert compare.settle_after(profile) == 4 * 15 + 20
+    assert compare.settle_after([]) == compare.AFTER_S
+    assert compare.seconds("500ms") == 0.5 and compare.seconds("2m") == 120
+    # The product's own answer when it has the command; the fallback only when it has not.
+    args, source = compare.read_profile([sys.executable, "-c",
+                                         "print('--health-interval=5s --slow-start=20s')"])
+    assert args == ["--health-interval=5s", "--slow-start=20s"] and "profile" in source
+    args, source = compare.read_profile([sys.executable, "-c",
+                                         "import sys; sys.exit('error: unrecognized "
+                                         "arguments: profile --format args')"])
+    assert args == compare.PROFILE_FALLBACK and "PROFILE_FALLBACK" in source
+    with pytest.raises(compare.FleetError, match="exit 3"):
+        compare.read_profile([sys.executable, "-c", "import sys; sys.exit(3)"])

@@ -145,13 +145,17 @@ def test_needs_no_endpoints_and_ignores_them(up, tmp_path: Path):
 def test_watch_redraws_until_interrupted(up, tmp_path: Path):
     p = start_proxy(tmp_path, "--endpoints", up.address, "--enable-discovery=false")
     env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
-    proc = subprocess.Popen([PYTHON, "-m", "extractedprism", "status", "--watch", "0.2s",
+    # Bare seconds, as an operator types them: the header says the unit (issue 30).
+    proc = subprocess.Popen([PYTHON, "-m", "extractedprism", "status", "--watch", "0.2",
                              "--health-port", str(p.health)], stdout=subprocess.PIPE,
                             text=True, cwd=ROOT, env=env)
     frames: list[str] = []
+    headers: list[str] = []
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
+            if "(every " in line:
+                headers.append(line)
             if line.startswith("ready:"):
                 frames.append(line)
                 if len(frames) == 3:
@@ -162,3 +166,4 @@ def test_watch_redraws_until_interrupted(up, tmp_path: Path):
         reap(proc)
         p.stop()
     assert len(frames) == 3
+    assert all("(every 200ms; Ctrl-C stops)" in h for h in headers) and headers, headers

@@ -25,7 +25,7 @@ PKG = ROOT / "extractedprism"
 # app.py the roof (the wiring).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "threads", "heap", "__init__"),
-    ("config", "logs"),
+    ("config", "logs", "files"),
     ("upstreams",),
     ("checks", "discovery", "datapath"),
     ("health", "ops"),

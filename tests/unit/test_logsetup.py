@@ -148,3 +148,34 @@ def test_everything_on_stderr_after_setup_is_a_record(fmt):
         "stacktrace"]
     fatal = by_msg["uncaught exception"]
     assert fatal["level"] == "fatal" and "ValueError: main boom" in fatal["stacktrace"]
+
+
+def test_a_stream_on_a_descriptor_above_1024_is_written_and_times_out_when_full():
+    """select() refuses a descriptor >= 1024; a stderr there must still be written to,
+    and a full one must still give up after the timeout instead of raising."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 2048:
+        if hard != resource.RLIM_INFINITY and hard < 2048:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 2048")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    r, w = os.pipe()
+    high_r, high_w = os.dup2(r, 1500), os.dup2(w, 1501)
+    os.close(r)
+    os.close(w)
+    try:
+        with open(high_w, "w", closefd=False) as stream:
+            assert logsetup.write_out(stream, "hello\n", 1.0)
+            assert os.read(high_r, 100) == b"hello\n"
+            os.set_blocking(high_w, False)
+            while True:  # fill the pipe
+                try:
+                    os.write(high_w, b"x" * 65536)
+                except BlockingIOError:
+                    break
+            assert not logsetup.write_out(stream, "dropped\n", 0.05)
+    finally:
+        os.close(high_r)
+        os.close(high_w)

@@ -332,6 +332,25 @@ def test_a_reservation_cannot_leak_on_an_exception():
     assert {picked(reg, exclude=[C]) for _ in range(60)} == {EPS[0], EPS[1]}
 
 
+def test_dials_in_flight_shows_held_reservations():
+    """/upstreams' dials_in_flight: a reservation counts until attach or release, so a
+    leaked one shows as a count that stays above 0 (scripts/chaos checks it)."""
+    reg, *_ = make(selection="least-conn")
+
+    def dials() -> dict[str, int]:
+        return {u.address: u.dials_in_flight for u in reg.snapshot().upstreams}
+
+    assert dials() == {A: 0, B: 0, C: 0}
+    held = reg.reserve(exclude=[B, C])
+    other = reg.reserve(exclude=[B, C])
+    assert held is not None and other is not None
+    assert dials() == {A: 2, B: 0, C: 0}
+    assert reg.attach(held, Conn("c"))
+    assert dials() == {A: 1, B: 0, C: 0}
+    other.release()
+    assert dials() == {A: 0, B: 0, C: 0}
+
+
 def test_panic_dials_are_counted_for_least_conn():
     reg, *_ = make(selection="least-conn")
     res = reg.reserve_endpoint(EPS[0])
@@ -505,3 +524,51 @@ def test_attaching_a_reservation_counts_its_dial_as_a_success():
     assert reg.attach(A, Conn("d"))  # a plain address records no dial
     reg.record_dial(A, False, "refused")
     assert not reg.snapshot().get(A).healthy
+
+
+def test_a_judging_connection_counts_once_it_carries_and_never_when_silent():
+    """Issue 29, item 3: attach_judging tracks a connection live but counts it only on the
+    upstream that carries it: once its relay moved a byte (any snapshot sees it) or it
+    ended answered; a silent or left verdict detaches it uncounted."""
+    reg = Registry()
+    reg.set_endpoints(EPS)
+
+    def judging(addr: str) -> Conn:
+        res = reg.reserve(exclude=[a for a in (A, B, C) if a != addr])
+        assert res is not None and res.address == addr
+        c = Conn(addr)
+        assert reg.attach_judging(res, c)
+        return c
+
+    silent, carrying, quiet = judging(A), judging(B), judging(C)
+    snap = reg.snapshot()
+    assert snap.connections_active == 3 and snap.connections_total == 0
+    carrying.bytes_up = 517  # the relay started: B carries it
+    snap = reg.snapshot()
+    assert snap.connections_total == 1 and snap.get(B).total_connections == 1
+    reg.detach(A, silent, carried=False)  # silent: the hedge carries it elsewhere
+    reg.detach(B, carrying)  # counted already: not again
+    reg.detach(C, quiet)  # answered with no byte either way (an EOF): counted at its end
+    snap = reg.snapshot()
+    assert snap.connections_active == 0
+    assert [snap.get(a).total_connections for a in (A, B, C)] == [0, 1, 1]
+    assert snap.connections_total == 2
+
+
+def test_a_dead_upstreams_close_deadline_does_not_keep_moving_forward():
+    # Issue 30: once its connections were closed, the deadline was re-armed every
+    # --unready-drain-timeout and /upstreams showed a close always a few seconds away.
+    reg, clock, *_ = make(readyz=True, drain=5)
+    c = _unready_with_a_connection(reg, clock)
+    reg.record_probe(A, DOWN)
+    reg.record_probe(A, DOWN)
+    deadline = reg.snapshot().get(A).close_deadline
+    assert deadline == pytest.approx(clock.now + 5)
+    clock.now += 5.1
+    reg.tick()
+    assert c.closed
+    reg.detach(A, c)  # what the pipe does once it notices the close
+    for _ in range(4):
+        assert reg.snapshot().get(A).close_deadline is None  # nothing left to close
+        clock.now += 5.1
+        reg.tick()

@@ -36,8 +36,21 @@ def test_full_document_from_the_extended_upstreams():
     assert lines[2].split()[:11] == ["10.0.0.2:6443", "kubernetes", "admin-drain", "no",
                                      "-", "-", "0/2", "-", "-", "2h30m", "drain(uid=0)"]
     assert lines[2].endswith("connection refused (dial)")
-    assert lines[3] == ("ready: 1/2 upstreams healthy, 1/2 ready, 3 connections (max 4096), "
-                        "discovery connected, relay native, version 1.2.3, up 30m00s")
+    assert lines[3] == ("ready: 1/2 upstreams healthy, 1/2 ready, 1 drained (no new "
+                        "connections), 3 connections (max 4096), discovery connected, relay "
+                        "native, version 1.2.3, up 30m00s")
+
+
+def test_a_drained_upstream_counts_as_healthy_and_ready_and_drained():
+    # Issue 30: one drained of three read "1/3 healthy, 2/3 ready" (it was counted out of
+    # healthy but into ready). Health, readiness and drain are now counted apart.
+    ups = [{"address": f"10.0.0.{i}:6443", "state": "healthy", "healthy": True,
+            "ready": True, "draining": False} for i in (1, 2, 3)]
+    ups[1].update(state="admin-drain", draining_reason="admin")
+    ups[2].update(state="unhealthy", healthy=False, ready=False)
+    lines = render({"upstreams": ups}, True, NOW).splitlines()
+    assert lines[-1] == ("ready: 2/3 upstreams healthy, 2/3 ready, 1 drained (no new "
+                         "connections)")
 
 
 def test_todays_document_and_missing_fields():
@@ -50,8 +63,8 @@ def test_todays_document_and_missing_fields():
     assert lines[1].split() == ["a:1", "-", "draining", "-", "-", "-", "1/5", "-", "-", "-",
                                 "-", "-"]
     assert lines[2].split() == ["b:1", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
-    assert lines[3].startswith("NOT READY: 0/2 upstreams healthy")
-    assert "PANIC" in lines[3]
+    assert lines[3].startswith("NOT READY: 1/2 upstreams healthy")  # a:1 is healthy
+    assert "1 drained" in lines[3] and "PANIC" in lines[3]
 
 
 def test_no_upstreams_and_a_bad_time():

@@ -153,29 +153,6 @@ program's own shutdown budget (5 s proxy + 5 s health server) and a margin.
 {{- end -}}
 {{- end -}}
 
-{{/*
-The endpoints as one comma-separated string, from a list or a string. Fails the render
-with a usable message when none are given: the proxy cannot start without them.
-*/}}
-{{- define "extractedprism.endpoints" -}}
-{{- $raw := .Values.endpoints -}}
-{{- $items := list -}}
-{{- if kindIs "slice" $raw -}}
-{{- range $raw -}}
-{{- $items = append $items (toString . | trim) -}}
-{{- end -}}
-{{- else if $raw -}}
-{{- range (splitList "," (toString $raw)) -}}
-{{- $items = append $items (trim .) -}}
-{{- end -}}
-{{- end -}}
-{{- $items = compact $items -}}
-{{- if not $items -}}
-{{- fail "extractedprism: invalid configuration: --endpoints is required: give a comma-separated list of API server host:port pairs (values: endpoints is required, e.g. --set 'endpoints={10.0.0.1:6443,10.0.0.2:6443,10.0.0.3:6443}')" -}}
-{{- end -}}
-{{- join "," $items -}}
-{{- end -}}
-
 {{/* The address the health server listens on (health-bind-address falls back to bind-address). */}}
 {{- define "extractedprism.healthAddress" -}}
 {{- default .Values.bindAddress .Values.healthBindAddress -}}

@@ -8,8 +8,13 @@ Like the program, all problems are reported at once.
 */}}
 {{- define "extractedprism.validate" -}}
 {{- $problems := list -}}
-{{- $_ := include "extractedprism.endpoints" . -}}
 {{- $v := .Values -}}
+
+{{- /* --endpoints: templates/_endpoints.tpl holds the program's rules. */ -}}
+{{- $endpoints := include "extractedprism.endpointsProblem" . -}}
+{{- if $endpoints -}}
+{{- $problems = append $problems $endpoints -}}
+{{- end -}}
 
 {{- /* Ports. */ -}}
 {{- if eq (int64 $v.bindPort) (int64 $v.healthPort) -}}

@@ -13,6 +13,9 @@ after ``--uptime`` seconds (default 60) with the kubelet's probes running agains
   (/var/run/secrets/kubernetes.io/serviceaccount) in a private mount namespace
   (``unshare -m``, a tmpfs over /run), so the process reads exactly a pod's paths;
 * ``ep-static``: the chart with ``enableDiscovery=false`` (tcp checks, no state file);
+* ``ep-spec``: like ``extractedprism`` but with the program's (the spec's) defaults in
+  place of the production profile (config/profile.py), what the chart shipped before it:
+  the profile's cost side by side (not in the default ``--targets``);
 * ``haproxy`` and ``nginx``: kubespray's node-local load balancer configurations
   (HAProxy mode tcp, leastconn, ``option httpchk GET /healthz`` over TLS, a /healthz
   monitor frontend; nginx stream with least_conn and two workers);
@@ -65,9 +68,10 @@ from epscripts.bench.parse import parse_wrk, settled_rss
 from epscripts.bench.services import Proc, Procs, nginx_config, raise_nofile
 from epscripts.common import ROOT, free_port, wait_until
 from epscripts.fleet import balancers
+from extractedprism.config import profile
 from tests.fakes.fake_apiserver import FakeApiServer, make_slice
 
-TARGETS = ("extractedprism", "ep-static", "haproxy", "nginx", "go")
+TARGETS = ("extractedprism", "ep-static", "ep-spec", "haproxy", "nginx", "go")
 UPSTREAM_HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 SA_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 WATCH_PATH = ("/apis/discovery.k8s.io/v1/namespaces/default/endpointslices?watch=true"
@@ -83,10 +87,11 @@ MOUNT_SA = ('mount -t tmpfs tmpfs /run && mkdir -p /run/secrets/kubernetes.io/se
             ' && mount --bind "$0" /run/secrets/kubernetes.io/serviceaccount && exec "$@"')
 
 
-def chart_env(tmp: Path, port: int, hport: int, endpoints: str, discovery: bool
-              ) -> dict[str, str]:
+def chart_env(tmp: Path, port: int, hport: int, endpoints: str, discovery: bool,
+              with_profile: bool = True) -> dict[str, str]:
     """The EP_ variables the chart renders with its default values (values.yaml), with
-    the ports and the host directories moved into ``tmp``."""
+    the ports and the host directories moved into ``tmp``; ``with_profile=False``: the
+    program's defaults where the chart ships the production profile."""
     env = {
         "EP_ENDPOINTS": endpoints, "EP_BIND_ADDRESS": "127.0.0.1", "EP_BIND_PORT": str(port),
         "EP_HEALTH_PORT": str(hport), "EP_HEALTH_INTERVAL": "20s", "EP_HEALTH_TIMEOUT": "15s",
@@ -101,6 +106,8 @@ def chart_env(tmp: Path, port: int, hport: int, endpoints: str, discovery: bool
         "EP_SHUTDOWN_DRAIN_TIMEOUT": "30s", "EP_STATIC_ENDPOINTS": "always",
         "EP_LOG_FORMAT": "logfmt", "EP_ADMIN_SOCKET": str(tmp / "admin" / "admin.sock"),
     }
+    if with_profile:  # the chart's health check stays its own rule (readyz with discovery)
+        env.update({k: v for k, v in profile.env().items() if k != "EP_HEALTH_CHECK"})
     if discovery:
         env["EP_HEALTH_CHECK_CA_FILE"] = f"{SA_PATH}/ca.crt"
         env["EP_STATE_FILE"] = str(tmp / "state" / "state.json")
@@ -307,11 +314,12 @@ class Run:
         ctx = ssl.create_default_context(cafile=str(self.sa / "ca.crt"))
         return ctx
 
-    def ep_env(self, port: int, hport: int, discovery: bool, endpoints: str) -> dict:
+    def ep_env(self, port: int, hport: int, discovery: bool, endpoints: str,
+               with_profile: bool = True) -> dict:
         env = dict(os.environ)
         env = {k: v for k, v in env.items() if not k.startswith("EP_")}
         env["PYTHONPATH"] = self.args.ep_pythonpath or str(ROOT)
-        env.update(chart_env(self.tmp, port, hport, endpoints, discovery))
+        env.update(chart_env(self.tmp, port, hport, endpoints, discovery, with_profile))
         return env
 
     def argv_env(self, target: str, port: int, hport: int
@@ -322,6 +330,8 @@ class Run:
                   str(self.sa)]
         if target == "extractedprism":
             return [*in_pod, *ep], self.ep_env(port, hport, True, endpoints)
+        if target == "ep-spec":
+            return [*in_pod, *ep], self.ep_env(port, hport, True, endpoints, with_profile=False)
         if target == "ep-static":
             return ep, self.ep_env(port, hport, False, endpoints)
         if target == "haproxy":
@@ -358,14 +368,15 @@ class Run:
             return
         res: dict = {"exec_to_listening_ms": round(exec_ms, 1)}
         try:
-            kind = {"ep-static": "extractedprism", "haproxy": "kubespray",
+            kind = {"ep-static": "extractedprism", "ep-spec": "extractedprism",
+                    "haproxy": "kubespray",
                     "nginx": "kubespray"}.get(target, target)
             with Prober(hport, PROBES[kind]) as probes:
                 uptime_end = t0 + self.args.uptime
                 while time.monotonic() < uptime_end and proc.alive():
                     time.sleep(0.5)
                 idle = settled(proc.popen.pid)
-                if target in ("extractedprism", "ep-static"):
+                if target in ("extractedprism", "ep-static", "ep-spec"):
                     res["thread_names"] = self.thread_names(proc)
                 deadline = time.monotonic() + 60
                 socks = open_watches(port, self.args.idle_conns, self.client_ssl(),

@@ -13,10 +13,14 @@ from pathlib import Path
 from epscripts.controlplane import build as cpbuild
 
 APISERVERS = ("api1", "api2", "api3")
+# A fourth API server a run can add and remove (scale-out/in, scripts/chaos): its address
+# is reserved and in the serving certificate from the start, its namespace is made only
+# by ControlPlane.add_apiserver, and it is never in APISERVERS (the static --endpoints).
+SPARE_APISERVERS = ("api4",)
 PORT = 6443
 ETCD_PORT = 2379
 SUBNET_POOL = [ipaddress.ip_network(f"192.168.{n}.0/24") for n in range(200, 255)]
-HOST_INDEX = {"bridge": 1, "etcd": 10, "api1": 11, "api2": 12, "api3": 13}
+HOST_INDEX = {"bridge": 1, "etcd": 10, "api1": 11, "api2": 12, "api3": 13, "api4": 14}
 DEAD_MAC = "02:00:00:00:de:ad"  # locally administered; no interface has it
 SERVER_NAME = "kubernetes.default.svc"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"

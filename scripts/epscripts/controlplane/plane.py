@@ -32,6 +32,7 @@ from epscripts.controlplane.host import (
     PRODUCTION_ADMISSION_ENABLE,
     SA_ISSUER,
     SERVER_NAME,
+    SPARE_APISERVERS,
     SUBNET_POOL,
     UP_TIMEOUT,
     CPError,
@@ -143,20 +144,42 @@ class ControlPlane:
         run_ip("link", "add", br, "type", "bridge")
         run_ip("addr", "add", f"{self.ip('bridge')}/{subnet.prefixlen}", "dev", br)
         run_ip("link", "set", br, "up")
-        for name, ns in self.state["netns"].items():
-            if Path(f"/run/netns/{ns}").exists():
-                raise CPError(f"network namespace {ns} exists already; not touching it")
-            self._journal("netns", ns)
-            run_ip("netns", "add", ns)
-            self.state["made"][-1][2] = os.stat(f"/run/netns/{ns}").st_ino
-            self.save()
-            veth = self.state["veth"][name]
-            self._journal("link", veth)
-            run_ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            run_ip("-n", ns, "addr", "add", f"{self.ip(name)}/{subnet.prefixlen}", "dev", "eth0")
-            run_ip("-n", ns, "link", "set", "lo", "up")
-            run_ip("-n", ns, "link", "set", "eth0", "up")
-            run_ip("link", "set", veth, "master", br, "up")
+        for name in self.state["netns"]:
+            self._add_member(name)
+
+    def _add_member(self, name: str) -> None:
+        """The namespace of etcd or an apiserver on the run's bridge, journaled first."""
+        br = self.state["bridge"]
+        subnet = ipaddress.ip_network(self.state["subnet"])
+        ns = self.state["netns"][name]
+        if Path(f"/run/netns/{ns}").exists():
+            raise CPError(f"network namespace {ns} exists already; not touching it")
+        self._journal("netns", ns)
+        run_ip("netns", "add", ns)
+        self.state["made"][-1][2] = os.stat(f"/run/netns/{ns}").st_ino
+        self.save()
+        veth = self.state["veth"][name]
+        self._journal("link", veth)
+        run_ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        run_ip("-n", ns, "addr", "add", f"{self.ip(name)}/{subnet.prefixlen}", "dev", "eth0")
+        run_ip("-n", ns, "link", "set", "lo", "up")
+        run_ip("-n", ns, "link", "set", "eth0", "up")
+        run_ip("link", "set", veth, "master", br, "up")
+
+    def add_apiserver(self, api: str) -> None:
+        """Make the namespace of a spare apiserver (SPARE_APISERVERS), so ``start`` can run
+        it: a scale-out. Idempotent; ``down`` removes it with the rest of the run."""
+        if api not in SPARE_APISERVERS:
+            raise CPError(f"{api!r} is not a spare apiserver; one of "
+                          f"{', '.join(SPARE_APISERVERS)}")
+        if api in self.state["netns"]:
+            return
+        if api not in self.state["ips"]:
+            raise CPError(f"run {self.id} predates spare apiservers (no address for {api})")
+        self.state["netns"][api] = f"epcp-{self.id}-{api}"
+        self.state["veth"][api] = f"epcp{self.id}{api[-1]}"
+        self.save()
+        self._add_member(api)
 
     def _ours(self, ns: str) -> bool:
         for kind, name, extra in self.state["made"]:
@@ -287,8 +310,11 @@ class ControlPlane:
         return list(self.state.get("extra", {}).get(api, []))
 
     def _check_api(self, api: str) -> None:
-        if api not in APISERVERS:
-            raise CPError(f"unknown apiserver {api!r}; one of {', '.join(APISERVERS)}")
+        if api not in APISERVERS and not (api in SPARE_APISERVERS
+                                          and api in self.state["netns"]):
+            raise CPError(f"unknown apiserver {api!r}; one of {', '.join(APISERVERS)}"
+                          f" (or a spare added with add_apiserver: "
+                          f"{', '.join(SPARE_APISERVERS)})")
 
     def signal(self, name: str, sig: signal.Signals) -> int:
         pid = self.pid(name)
@@ -484,7 +510,9 @@ class ControlPlane:
     def up(self, timeout: float = UP_TIMEOUT) -> float:
         t0 = time.monotonic()
         self._make_network()
-        make_pki(self.pki, [self.ip(a) for a in APISERVERS])
+        # The spares' addresses too: a scale-out serves the same certificate.
+        make_pki(self.pki, [self.ip(a) for a in (*APISERVERS, *SPARE_APISERVERS)
+                            if a in self.state["ips"]])
         self.write_kubeconfigs()
         self.start_etcd()
         self.wait_etcd(30)

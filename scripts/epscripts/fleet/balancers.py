@@ -39,6 +39,9 @@ KUBESPRAY_COMMIT = "46dbdd3994b32640bcd806b0097f50e8fdf1d514"
 HAPROXY_DEFAULT_SERVER = ("inter 15s downinter 15s rise 2 fall 2 slowstart 60s maxconn 1000 "
                           "maxqueue 256 weight 100")
 NGINX_STREAM_MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"  # libnginx-mod-stream
+# In an extra extractedprism argument, stands for the node's own directory (a per-node
+# path such as --handover-socket={node_dir}/handover.sock; scripts/chaos).
+NODE_DIR = "{node_dir}"
 
 
 @dataclass
@@ -230,7 +233,8 @@ def argv(kind: str, files: NodeFiles, ep_cmd: list[str], go_original_bin: str | 
                 f"--health-check-cert-file={files.cert}",
                 f"--health-check-key-file={files.key}",
                 f"--kubeconfig={kc}", f"--state-file={d / 'extractedprism.state'}",
-                f"--admin-socket={d / 'extractedprism.admin'}", *files.extra], {}
+                f"--admin-socket={d / 'extractedprism.admin'}",
+                *(a.replace(NODE_DIR, str(d)) for a in files.extra)], {}
     if kind == "haproxy":
         cfg = d / "haproxy.cfg"
         cfg.write_text(haproxy_cfg(files.endpoints))

@@ -11,6 +11,12 @@ twice since):
 * ``partition``: that server cut off from etcd for 60 s;
 * ``rolling``: SIGTERM, wait for the exit, start, wait ready: api1, api2, api3 in turn.
 
+The balancers (LBS): extractedprism as the chart ships it (the production profile, read
+from the product: ``extractedprism profile --format args``), HAProxy and nginx with
+kubespray's configurations, the Go original (built by hand, ``--go-original-bin``), and
+extractedprism with the spec's defaults plus only the profile's ``--stall-timeout``
+(the freeze and the partition only).
+
 Each node also runs the extra clients of :mod:`epscripts.fleet.clients` (a kubectl watch
 resumed from its last resourceVersion, a request loop) through its balancer, while a
 writer updates one ConfigMap every second straight on an API server not under fault.
@@ -19,7 +25,8 @@ renewals, the kubelets' failed requests (their own ``rest_client_requests_total`
 longest watch gap and lost events, the request loop's failures, the connection skew over
 the API servers at the end (max/mean of established connections from the nodes, counted
 in the API servers' namespaces), each balancer's RSS and CPU (/proc), and the machine's
-load average. Results go to a JSON file and docs/compare.md (rendered from it).
+load average. Results go to a JSON file and docs/compare.md (rendered from it), both
+without any path of the measuring machine.
 """
 
 from __future__ import annotations
@@ -46,16 +53,34 @@ from epscripts.fleet import balancers, observe
 from epscripts.fleet.nodes import Fleet, FleetError, _descendants, default_ep_cmd, repo_root
 
 FAULTS = ("scaleout", "kill", "stop", "partition", "rolling")
-# extractedprism as docs/deploy.md recommends it for the kubelet (its static pod, the
-# flags of "Static pod: the kubelet-safe way" on top of what the fleet always passes:
-# readyz with the node's certificate, discovery with its own identity, a state file).
-# The one place to update when docs/deploy.md's recommendation changes; rendered into
-# docs/compare.md. Timings here are the program's defaults, written out.
-# docs/deploy.md's "Failure detection: recommended timings" (issue 23). The run committed
-# in docs/compare.md used the program's defaults (20 s / 15 s / drain 30 s), the values
-# docs/deploy.md recommended then; docs/compare-recommended.md is the run with these.
-EP_RECOMMENDED = ["--health-interval=5s", "--health-timeout=1s", "--health-recheck=1s",
-                  "--unready-drain-timeout=3s"]
+# extractedprism as the chart ships it: the production profile, read from its one
+# definition in the product (PROFILE_MODULE), never typed here, on top of what the fleet
+# always passes (docs/fleet.md: the static pod's command line with readyz and the node's
+# certificate, discovery with its own identity, a state file).
+PROFILE_MODULE = "extractedprism.config.profile"
+# Only while the product has no PROFILE_MODULE yet (a checkout before issue 28's profile):
+# the values issue 28 names. A run that used it says so in docs/compare.md.
+PROFILE_FALLBACK = ["--health-check=readyz", "--health-interval=5s", "--health-timeout=1s",
+                    "--health-recheck=1s", "--unready-drain-timeout=3s",
+                    "--stall-timeout=2s", "--upstream-selection=least-conn",
+                    "--rebalance-interval=15s", "--slow-start=20s"]
+# The balancers a run measures, in the document's column order: name -> the fleet's kind,
+# which of the profile's flags it gets ("all", "stall": only --stall-timeout, "none"), and
+# the faults it is measured for (None: every one). "extractedprism-stall" is the spec's
+# defaults plus only the shipped stall check: what an operator who keeps the spec's
+# timings gets from the stall check alone, on the faults that leave a server accepting.
+LBS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
+    "extractedprism": ("extractedprism", "all", None),
+    "haproxy": ("haproxy", "none", None),
+    "nginx": ("nginx", "none", None),
+    "go-original": ("go-original", "none", None),
+    "extractedprism-stall": ("extractedprism", "stall", ("stop", "partition")),
+}
+LBS_DEFAULT = "extractedprism,haproxy,nginx,go-original,extractedprism-stall"
+# After the roll and the scale-out the fleet is watched this many of the profile's
+# rebalance intervals plus its slow start after the last server is ready (at least
+# AFTER_S), so rebalancing has had its chance to even the connections out.
+SETTLE_REBALANCES = 4
 NODES_DEFAULT = 3
 NAMESPACE = "compare"
 CONFIGMAP = "tick"
@@ -81,6 +106,112 @@ RESULTS = "docs/compare.json"
 
 def _log(msg: str) -> None:
     print(f"compare: {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+
+# --- what extractedprism runs ----------------------------------------------------------
+
+
+def seconds(value: str) -> float:
+    """A duration as the program's flags spell it (500ms, 15s, 2m, 1h; bare: seconds)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|m|h)?\s*", value)
+    if not m:
+        raise ValueError(f"not a duration: {value!r}")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2) or "s"]
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value of ``--flag=value`` (or ``--flag value``) in ``args``, the last one."""
+    found = None
+    for i, a in enumerate(args):
+        if a.startswith(f"{flag}="):
+            found = a.split("=", 1)[1]
+        elif a == flag and i + 1 < len(args):
+            found = args[i + 1]
+    return found
+
+
+def read_profile(ep_cmd: list[str]) -> tuple[list[str], str]:
+    """The production profile's flags as the product prints them for an operator
+    (``extractedprism profile --format args``, from PROFILE_MODULE), and where they came
+    from; PROFILE_FALLBACK only when the product has no such command."""
+    try:
+        proc = subprocess.run([*ep_cmd, "profile", "--format", "args"], capture_output=True,
+                              text=True, timeout=30, cwd=repo_root(),
+                              env={k: v for k, v in os.environ.items()
+                                   if not k.startswith("EP_")})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise FleetError(f"extractedprism profile --format args: {exc}") from exc
+    if proc.returncode == 0 and proc.stdout.split():
+        return proc.stdout.split(), f"`extractedprism profile --format args` ({PROFILE_MODULE})"
+    if "unrecognized arguments: profile" not in proc.stderr:
+        raise FleetError(f"extractedprism profile --format args: exit {proc.returncode}: "
+                         f"{proc.stderr.strip()[-500:]}")
+    _log(f"this extractedprism has no `profile` command: using PROFILE_FALLBACK {PROFILE_FALLBACK}")
+    return list(PROFILE_FALLBACK), "PROFILE_FALLBACK in scripts/epscripts/fleet/compare.py " \
+        "(the product had no profile command)"
+
+
+def lb_extra(lb: str, profile: list[str]) -> list[str]:
+    """The flags the fleet adds to the balancer's own command line for ``lb``."""
+    which = LBS[lb][1]
+    if which == "all":
+        return list(profile)
+    if which == "stall":
+        return [a for a in profile if a.split("=", 1)[0] == "--stall-timeout"]
+    return []
+
+
+def settle_after(profile: list[str]) -> float:
+    """How long the roll and the scale-out are watched after the last server is ready:
+    SETTLE_REBALANCES of the profile's rebalance intervals plus its slow start."""
+    interval = flag_value(profile, "--rebalance-interval")
+    ramp = flag_value(profile, "--slow-start")
+    return max(AFTER_S, SETTLE_REBALANCES * (seconds(interval) if interval else 0)
+               + (seconds(ramp) if ramp else 0))
+
+
+# --- machine paths out of what is committed -----------------------------------------------
+
+# An absolute path on the measuring machine (not an API path such as /api/v1/...).
+MACHINE_PATH_RX = re.compile(
+    r"(?<![\w.:/-])/(?:work|tmp|root|home|var|run|usr|opt|srv|mnt|proc|etc|nix)"
+    r"(?:/[^\s'\"`,;:()\[\]{}]*)?")
+
+
+def relative_argv(argv: list[str]) -> list[str]:
+    """A command line as committed: paths inside the checkout relative to it, the Go
+    original's binary and any other path of the machine as ``<path>``."""
+    root = str(repo_root())
+
+    def one(word: str) -> str:
+        if word.startswith(root + "/"):
+            return word[len(root) + 1:]
+        return MACHINE_PATH_RX.sub("<path>", word)
+
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        prev = argv[i - 1] if i else ""
+        if prev == "--go-original-bin" or a.startswith("--go-original-bin="):
+            out.append("--go-original-bin=<path>" if "=" in a else "<path>")
+        elif prev == "--ep-cmd" or a.startswith("--ep-cmd="):
+            val = a.removeprefix("--ep-cmd=")
+            words = " ".join(one(w) for w in val.split())
+            out.append(f"--ep-cmd={words}" if a.startswith("--ep-cmd=") else words)
+        else:
+            out.append(one(a))
+    return out
+
+
+def scrub(obj: Any) -> Any:
+    """``obj`` (a result document) with every machine path in its strings replaced."""
+    root = str(repo_root())
+    if isinstance(obj, str):
+        return MACHINE_PATH_RX.sub("<path>", obj.replace(root + "/", ""))
+    if isinstance(obj, list):
+        return [scrub(x) for x in obj]
+    if isinstance(obj, dict):
+        return {scrub(k): scrub(v) for k, v in obj.items()}
+    return obj
 
 
 class Stop(Exception):
@@ -227,8 +358,11 @@ def stop_api(cp: Any, api: str) -> bool:
 class Cell:
     """One fault through one balancer: set up, run, measure, always clean up."""
 
-    def __init__(self, cp: Any, fleet: Fleet, fault: str, kubectl: str) -> None:
+    def __init__(self, cp: Any, fleet: Fleet, fault: str, kubectl: str, lb: str,
+                 settle_after_s: float) -> None:
         self.cp, self.fleet, self.fault, self.kubectl = cp, fleet, fault, kubectl
+        self.lb = lb  # the name in the results (a fleet kind, or a variant of one)
+        self.settle_after_s = settle_after_s  # watched after the roll / scale-out
         self.notes: list[str] = []
 
     def _avoid(self, apis: set[str]) -> None:
@@ -346,7 +480,7 @@ class Cell:
                                   self.writer.written, t_fault, t_end) for n in fleet.nodes}
         mean = sum(per_api.values()) / len(per_api)
         return {
-            "fault": self.fault, "lb": fleet.state["lb"], "target": target,
+            "fault": self.fault, "lb": self.lb, "target": target,
             "nodes": len(fleet.nodes), "settle_s": round(settle_s, 1),
             "fault_window_s": round(wall, 1), "notes": self.notes,
             "not_ready": {n: [f"+{t - t_fault:.0f}s {why}" for t, why in v[:1]]
@@ -388,7 +522,7 @@ class Cell:
             cp.start("api3", cp.extra_args("api3"))
             took = cp.wait_ready(["api3"], timeout=READY_TIMEOUT)
             self.notes.append(f"api3 ready and in the slice {took:.1f}s after start")
-            self._sleep_until(t0 + WATCH_MIN)
+            self._sleep_until(max(t0 + WATCH_MIN, time.time() + self.settle_after_s))
             return "api3"
         if self.fault == "rolling":
             t_last = t0
@@ -405,7 +539,7 @@ class Cell:
                                   "after start")
                 t_last = time.time()
             self._avoid(set())
-            self._sleep_until(max(t_last + AFTER_S, t0 + WATCH_MIN))
+            self._sleep_until(max(t_last + self.settle_after_s, t0 + WATCH_MIN))
             return "api1,api2,api3"
         # The server whose fault reaches the most clients: kubelets first, then watches.
         def reach(a: str) -> tuple[int, int]:
@@ -484,7 +618,9 @@ def watch_figures(path: Path, written: list[tuple[int, float]], t0: float,
 
 
 def run_balancer(lb: str, faults: list[str], nodes: int, ep_cmd: list[str],
-                 go_bin: str | None, results: list[dict[str, Any]]) -> None:
+                 go_bin: str | None, extra: list[str], settle_after_s: float,
+                 results: list[dict[str, Any]]) -> None:
+    """Every fault of ``faults`` through ``lb`` (a name of LBS) on one control plane."""
     cp = cpplane.ControlPlane.create(owner_pid=os.getpid())
     fleet: Fleet | None = None
     try:
@@ -501,8 +637,7 @@ def run_balancer(lb: str, faults: list[str], nodes: int, ep_cmd: list[str],
         if faults and faults[0] == "scaleout":
             stop_api(cp, "api3")
         fleet = Fleet(cp)
-        extra = list(EP_RECOMMENDED) if lb == "extractedprism" else []
-        took = fleet.up(nodes, lb, ep_cmd=ep_cmd, go_original_bin=go_bin, lb_extra=extra,
+        took = fleet.up(nodes, LBS[lb][0], ep_cmd=ep_cmd, go_original_bin=go_bin, lb_extra=extra,
                         controllers_api="api1", timeout=READY_TIMEOUT)
         _log(f"{lb}: {nodes} nodes Ready in {took:.1f}s")
         for fault in faults:
@@ -510,7 +645,8 @@ def run_balancer(lb: str, faults: list[str], nodes: int, ep_cmd: list[str],
                 restore(cp, fleet, without={"api3"} if fault == "scaleout" else set())
             _log(f"{lb}: {fault} ...")
             try:
-                row = Cell(cp, fleet, fault, cp.binary("kubectl")).run()
+                row = Cell(cp, fleet, fault, cp.binary("kubectl"), lb,
+                           settle_after_s).run()
             except (FleetError, cphost.CPError, TimeoutError, OSError) as exc:
                 row = {"fault": fault, "lb": lb, "error": f"{type(exc).__name__}: {exc}"[:2000]}
                 _log(f"{lb}: {fault} failed: {row['error']}")
@@ -553,6 +689,18 @@ def summary(row: dict[str, Any]) -> str:
 # --- versions and the document ----------------------------------------------------------
 
 
+def product_commit() -> str:
+    """The checkout's commit (12 digits), with a mark when the product's files differ
+    from it (then what ran is not that commit)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo_root()), *args], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    dirty = git("status", "--porcelain", "--", "extractedprism", "pyproject.toml")
+    return f"{commit} + uncommitted changes" if dirty else commit
+
+
 def versions(lbs: list[str], ep_cmd: list[str], go_bin: str | None) -> dict[str, str]:
     def out(argv: list[str]) -> str:
         try:
@@ -561,17 +709,15 @@ def versions(lbs: list[str], ep_cmd: list[str], go_bin: str | None) -> dict[str,
             return f"? ({exc})"
         return (p.stdout + p.stderr).strip().splitlines()[0] if (p.stdout + p.stderr) else "?"
 
+    kinds = {LBS[b][0] for b in lbs}
     v = {"kubernetes": cpbuild.KUBERNETES_VERSION, "etcd": cpbuild.ETCD_VERSION,
          "kernel": platform.release(), "cpus": str(os.cpu_count()),
-         "extractedprism": subprocess.run(
-             ["git", "-C", str(repo_root()), "rev-parse", "--short=12", "HEAD"],
-             capture_output=True, text=True).stdout.strip(),
          "python": out([ep_cmd[0], "--version"])}
-    if "haproxy" in lbs:
+    if "haproxy" in kinds:
         v["haproxy"] = out(["haproxy", "-v"])
-    if "nginx" in lbs:
+    if "nginx" in kinds:
         v["nginx"] = out(["nginx", "-v"])
-    if "go-original" in lbs and go_bin:
+    if "go-original" in kinds and go_bin:
         import hashlib
 
         v["go-original"] = (f"{out([go_bin, '--version'])}, binary sha256 "
@@ -585,12 +731,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/compare", description=__doc__.split("\n")[0])
     p.add_argument("--faults", default=",".join(FAULTS),
                    help=f"comma-separated, in this order (default: {','.join(FAULTS)})")
-    p.add_argument("--lbs", default="extractedprism,haproxy,nginx,go-original",
-                   help="comma-separated balancers (go-original needs --go-original-bin)")
+    p.add_argument("--lbs", default=LBS_DEFAULT,
+                   help=f"comma-separated balancers, of {', '.join(LBS)} (default: all; "
+                   "go-original needs --go-original-bin; extractedprism-stall runs only "
+                   "the stop and partition faults)")
     p.add_argument("--nodes", type=int, default=NODES_DEFAULT)
     p.add_argument("--go-original-bin", help="lexfrei/extractedprism, built by hand")
     p.add_argument("--ep-cmd", help="command that runs extractedprism (default: "
-                   f"{' '.join(default_ep_cmd())})")
+                   f"{' '.join(relative_argv(default_ep_cmd()))})")
     p.add_argument("--results", default=RESULTS, help="JSON results (relative: to the repo)")
     p.add_argument("--doc", default=DOC, help="the rendered document (relative: to the repo)")
     p.add_argument("--merge", action="store_true",
@@ -604,18 +752,30 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     faults = [f for f in args.faults.split(",") if f]
     lbs = [b for b in args.lbs.split(",") if b]
-    bad = [f for f in faults if f not in FAULTS] + [b for b in lbs if b not in balancers.KINDS]
+    bad = [f for f in faults if f not in FAULTS] + [b for b in lbs if b not in LBS]
     if bad:
         p.error(f"unknown fault or balancer: {', '.join(bad)}")
     faults = [f for f in FAULTS if f in faults]  # scaleout first: the fleet starts on two
+    lbs = [b for b in LBS if b in lbs]
     ep_cmd = args.ep_cmd.split() if args.ep_cmd else default_ep_cmd()
-    skipped = {}
+    skipped: dict[str, str] = {}
+    lb_faults = {b: [f for f in faults if LBS[b][2] is None or f in LBS[b][2]] for b in lbs}
     for lb in list(lbs):
-        why = balancers.missing(lb, ep_cmd, args.go_original_bin)
-        if why:
-            skipped[lb] = why
+        why = balancers.missing(LBS[lb][0], ep_cmd, args.go_original_bin)
+        if why or not lb_faults[lb]:
+            if why:
+                skipped[lb] = why
+                _log(f"skipping {lb}: {why}")
             lbs.remove(lb)
-            _log(f"skipping {lb}: {why}")
+    profile, profile_source = ([], "")
+    if any(LBS[b][0] == "extractedprism" for b in lbs):
+        profile, profile_source = read_profile(ep_cmd)
+        _log(f"extractedprism's profile: {' '.join(profile)} (from {profile_source})")
+    extras = {b: lb_extra(b, profile) for b in lbs}
+    if "extractedprism-stall" in lbs and not extras["extractedprism-stall"]:
+        skipped["extractedprism-stall"] = "the profile has no --stall-timeout"
+        lbs.remove("extractedprism-stall")
+    settle_s = settle_after(profile)
     why = cphost.missing_prerequisites() or (
         f"fleet binaries missing: {cpbuild.missing(fleet=True)} (scripts/fleet build)"
         if cpbuild.missing(fleet=True) else None)
@@ -637,15 +797,20 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     t0 = time.time()
     RUN_STARTED[0] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0))
-    doc = {"started": RUN_STARTED[0],
-           "argv": ["scripts/compare", *(argv if argv is not None else sys.argv[1:])],
+    commit = product_commit()
+    run_argv = relative_argv(["scripts/compare",
+                              *(argv if argv is not None else sys.argv[1:])])
+    doc = {"started": RUN_STARTED[0], "argv": run_argv, "commit": commit,
            "nodes": args.nodes, "faults": faults, "lbs": lbs, "skipped": skipped,
-           "ep_recommended": EP_RECOMMENDED, "versions": versions(lbs, ep_cmd,
-                                                                  args.go_original_bin),
+           "profile": profile, "profile_source": profile_source,
+           "variants": {b: {"kind": LBS[b][0], "extra": extras[b], "faults": lb_faults[b]}
+                        for b in lbs},
+           "versions": versions(lbs, ep_cmd, args.go_original_bin),
            "timing": {"kill_down_s": KILL_DOWN_S, "stop_s": STOP_S,
                       "partition_s": PARTITION_S, "watch_min_s": WATCH_MIN,
-                      "after_s": AFTER_S, "write_period_s": WRITE_PERIOD,
-                      "request_period_s": REQUEST_PERIOD},
+                      "after_s": AFTER_S, "settle_after_s": settle_s,
+                      "settle_rebalances": SETTLE_REBALANCES,
+                      "write_period_s": WRITE_PERIOD, "request_period_s": REQUEST_PERIOD},
            "results": results}
 
     def save() -> None:
@@ -656,14 +821,17 @@ def main(argv: list[str] | None = None) -> int:
                     if (r["lb"], r["fault"]) not in mine]
             merged["results"] = kept + results
             merged["runs"] = [*old.get("runs", [{"started": old.get("started"),
-                                                 "argv": old.get("argv")}]),
-                              {"started": doc["started"], "argv": doc["argv"]}]
+                                                 "argv": old.get("argv"),
+                                                 "commit": old.get("commit")}]),
+                              {"started": doc["started"], "argv": doc["argv"],
+                               "commit": commit}]
             merged["versions"] = {**old.get("versions", {}), **doc["versions"]}
+            merged["variants"] = {**old.get("variants", {}), **doc["variants"]}
             merged["faults"] = [f for f in FAULTS if f in set(old.get("faults", [])) | set(faults)]
-            merged["lbs"] = sorted(set(old.get("lbs", [])) | set(lbs),
-                                   key=balancers.KINDS.index)
+            merged["lbs"] = [b for b in LBS if b in set(old.get("lbs", [])) | set(lbs)]
             merged["skipped"] = {k: v for k, v in {**old.get("skipped", {}), **skipped}.items()
                                  if k not in merged["lbs"]}
+        merged = scrub(merged)
         results_path.write_text(json.dumps(merged, indent=1) + "\n")
         compare_doc.write(doc_path, merged)
 
@@ -672,12 +840,13 @@ def main(argv: list[str] | None = None) -> int:
         for lb in lbs:
             n = len(results)
             try:
-                run_balancer(lb, faults, args.nodes, ep_cmd, args.go_original_bin, results)
+                run_balancer(lb, lb_faults[lb], args.nodes, ep_cmd, args.go_original_bin,
+                             extras[lb], settle_s, results)
             except (FleetError, cphost.CPError, TimeoutError, OSError) as exc:
                 _log(f"{lb}: {type(exc).__name__}: {exc}")
                 done = {r["fault"] for r in results[n:]}
                 results.extend({"fault": f, "lb": lb, "error": f"{type(exc).__name__}: "
-                                f"{str(exc)[:500]}"} for f in faults if f not in done)
+                                f"{str(exc)[:500]}"} for f in lb_faults[lb] if f not in done)
                 rc = 1
             save()
     except Stop as exc:

@@ -216,9 +216,10 @@ class Sampler:
     renewals: dict[str, set[float]] = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
     failed_polls: int = 0
+    max_s: float = MAX_RUN_S  # its bound (a soak runs longer than a compare cell)
 
     def __post_init__(self) -> None:
-        self._every = Every("fleet-sampler", self.period, self.poll)
+        self._every = Every("fleet-sampler", self.period, self.poll, self.max_s)
 
     def start(self) -> Sampler:
         self._every.start()
