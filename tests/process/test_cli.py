@@ -69,7 +69,7 @@ def test_stall_timeout_from_flag_or_env_is_validated_naming_it():
     res = run_cli(env={"EP_ENDPOINTS": "10.0.0.1:6443", "EP_ENABLE_DISCOVERY": "false",
                        "EP_STALL_TIMEOUT": "soon"})
     assert res.returncode == 2
-    assert "--stall-timeout (soon) is invalid" in res.stderr
+    assert "EP_STALL_TIMEOUT (soon) is invalid" in res.stderr  # named as it was given
     assert "Traceback" not in res.stderr
 
 
