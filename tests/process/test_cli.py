@@ -61,6 +61,18 @@ def test_env_non_finite_durations_and_numeric_hosts_exit_2_naming_flag_and_value
     assert "Traceback" not in res.stderr
 
 
+def test_stall_timeout_from_flag_or_env_is_validated_naming_it():
+    res = run_cli("--endpoints", "10.0.0.1:6443", "--enable-discovery=false",
+                  "--stall-timeout", "200ms")
+    assert res.returncode == 2
+    assert "--stall-timeout (200ms) must be 0 (off) or at least 500ms" in res.stderr
+    res = run_cli(env={"EP_ENDPOINTS": "10.0.0.1:6443", "EP_ENABLE_DISCOVERY": "false",
+                       "EP_STALL_TIMEOUT": "soon"})
+    assert res.returncode == 2
+    assert "EP_STALL_TIMEOUT (soon) is invalid" in res.stderr  # named as it was given
+    assert "Traceback" not in res.stderr
+
+
 def test_missing_endpoints_is_an_error():
     res = run_cli()
     assert res.returncode == 2
