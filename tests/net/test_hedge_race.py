@@ -192,7 +192,7 @@ def test_shutdown_reaches_a_connection_inside_the_race(make_app, fakes, relay):
         except ConnectionResetError:
             pass
     assert clean
-    assert took < 2.0, took
+    assert took < 3.5, took  # the old code waited out the 5 s deadline
 
 
 @pytest.mark.timeout(60)
