@@ -216,6 +216,14 @@ def test_render_whole_matrix_targets_table_commit_once(tmp_path: Path) -> None:
     assert "| request loop: failed | 0 | - | HAProxy 0 |" in kill
     assert "Another balancer as good or better here" not in text
     assert "`--stall-timeout=2s`" in text
+    # A run of the freeze only: no line for the targets of the roll and the scale-out.
+    doc = _doc([r for r in results if r["fault"] == "stop"], lbs=lbs, faults=["stop"],
+               variants=variants, skipped={})
+    path.unlink()
+    compare_doc.write(path, doc)
+    text = path.read_text()
+    assert "| target, extractedprism as shipped | SIGSTOP 30 s |" in text
+    assert "connection skew at most" not in text and "Met: 4 of 4." in text
 
 
 def test_saved_results_and_document_name_no_machine_path(tmp_path: Path) -> None:
