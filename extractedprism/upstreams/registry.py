@@ -619,23 +619,25 @@ class Registry:
 
     def _stalls_locked(self, addr: str, rec: Record, now: float,
                        stalled: list[tuple[float, Tracked, Activity]], fx: Effects) -> None:
-        """Count ``addr``'s newly ``stalled`` connections; a stall not yet covered by a
-        check asks for one now (Change "stall-check": the ticker runs its next check at
-        once), at most once per --stall-timeout, and only of an upstream that takes
-        checks and is not excluded (an excluded one is checked anyway, and loses
-        nothing)."""
+        """Count ``addr``'s newly ``stalled`` connections; a stall that wants a look
+        (:meth:`~extractedprism.upstreams.activity.Activity.wants_look`: its first, or a
+        second one while still unanswered) asks for one now (Change "stall-check": the
+        ticker runs its next check at once), at most once per --stall-timeout, and only
+        of an upstream that takes checks and is not excluded (an excluded one is checked
+        anyway, and loses nothing)."""
         for _, _, act in stalled:
             if not act.stalled:
                 act.stalled = True
                 rec.stalls += 1
-        if all(act.checked for _, _, act in stalled):
+        due = [act for _, _, act in stalled if act.wants_look(now, self._stall_timeout)]
+        if not due:
             return
         if rec.state.lifecycle not in sm.TAKES_CHECKS or sm.excluded(rec.state):
             return
         if rec.stall_check_at is not None and now - rec.stall_check_at < self._stall_timeout:
             return  # the rate limit: the next sample after it asks again
-        for _, _, act in stalled:
-            act.checked = True
+        for act in due:
+            act.looked_now(now)
         oldest = max(stalled, key=_first)
         rec.stall_check_at = now
         rec.stall_trigger = StallTrigger(now, len(stalled), oldest[0], oldest[1].client)

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import trustme
 
+from extractedprism.upstreams.activity import SECOND_LOOK
 from extractedprism.upstreams.sampler import stall_sample_period
 from tests.fakes.upstream import FakeUpstream
 from tests.util import http, wait_until
@@ -52,12 +53,23 @@ class StallingUpstream(FakeUpstream):
         self.answering = threading.Event()
         self.answering.set()
         self.slow_delay = 0.0
+        self.silenced_at = 0.0
+        self.readyz_lag: float | None = None
 
-    def silence(self) -> None:
+    def silence(self, readyz_lag: float | None = None) -> None:
+        """Stop answering. ``readyz_lag``: /readyz still answers, 200 for that many
+        seconds and 500 after (a kube-apiserver just cut off from etcd); None: /readyz
+        goes silent too (a frozen one)."""
+        self.silenced_at = time.monotonic()
+        self.readyz_lag = readyz_lag
         self.answering.clear()
 
     def _route(self, conn: socket.socket, method: str, route: str, body: bytes,
                keep_alive: bool) -> bool:
+        if route == "/readyz" and not self.answering.is_set() and self.readyz_lag is not None:
+            self.ready_status = (200 if time.monotonic() - self.silenced_at < self.readyz_lag
+                                 else 500)
+            return super()._route(conn, method, route, body, keep_alive)
         while not self.answering.wait(0.05):
             if self.closing.is_set():
                 return False
@@ -226,6 +238,33 @@ def test_a_silent_upstream_is_checked_on_the_stall_and_excluded_by_the_confirmin
     assert metric(app, bad, "failed") >= 1
     assert metric(app, bad, "passed") == 0
     assert metric(app, ups[1], "failed") == 0
+
+
+@pytest.mark.timeout(60)
+@RELAYS
+def test_a_stall_still_unanswered_gets_a_second_look_that_catches_a_lagging_readyz(
+        make_app, ups, ca, tmp_path, clients, relay):
+    # Cut off from etcd, a kube-apiserver hangs requests at once but its /readyz says
+    # 200 for a few seconds more: the stall's first check passes, its second look two
+    # stall timeouts later fails, and the confirming check excludes.
+    app = start(make_app, ups, ca, tmp_path, relay=relay)
+    bad = ups[0]
+    stalled = clients(app, ca, "up0")
+    lag = 1.5 * STALL  # past the first look, before the second
+    bad.silence(readyz_lag=lag)
+    t0 = time.monotonic()
+    stalled.send("/whoami")
+    bound = (1 + SECOND_LOOK) * STALL + PERIOD + RECHECK + 2 * TIMEOUT + SLACK
+    wait_until(lambda: app.registry.snapshot().get(bad.address).readiness == "unready",
+               bound, message="up0 excluded")
+    hits = bad.readyz_after(t0)
+    assert len(hits) >= 3, hits  # first look, second look, the confirming check
+    assert STALL - 0.02 <= hits[0] - t0 <= STALL + PERIOD + SLACK, hits[0] - t0
+    assert SECOND_LOOK * STALL - 0.05 <= hits[1] - hits[0] <= (
+        SECOND_LOOK * STALL + PERIOD + SLACK), hits
+    assert stalled.closed_within(SLACK), "the stalled connection was not closed"
+    checks = dict(app.registry.snapshot().get(bad.address).stall_checks)
+    assert checks.get("passed") == 1 and checks.get("failed", 0) >= 1, checks
 
 
 @pytest.mark.timeout(60)
