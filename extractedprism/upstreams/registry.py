@@ -132,6 +132,9 @@ class Registry:
         # The stall check (0: off). Connections' activity is sampled (conn-sampler) only
         # when it or rebalancing is on.
         self._stall_timeout = stall_timeout
+        # Upstreams with a stalled connection at the last sample: new connections go
+        # elsewhere while another eligible upstream has none (_choose_locked).
+        self._suspect: frozenset[str] = frozenset()
 
     def _run(self, fx: Effects) -> None:
         fx.run(log, self._on_change)
@@ -274,6 +277,11 @@ class Registry:
             self._pickable = sum(1 for c in candidates if sm.pickable(c))
         self._pool_key = key  # also when equal: the next comparison is by identity again
         pool = self._pool
+        if self._suspect and len(pool) > 1:
+            # The stall check's suspects take no new connection while another can: a
+            # request hanging there says new ones would too, until a check decides (the
+            # leastconn effect of a server piling up hung connections, per node).
+            pool = [a for a in pool if a not in self._suspect] or pool
         if self._ramping and len(pool) > 1:
             return self._pick_weighted_locked(pool)
         if self._selection == "least-conn" and len(pool) > 1:
@@ -589,10 +597,14 @@ class Registry:
         # a new connection's pick costs nothing more with sampling on, and its age and
         # quiet time err short by at most one sample period (never long).
         timeout = self._stall_timeout
+        suspect = []
         for addr, rec in self._ups.items():
             stalled = self._sample_record_locked(rec, now, timeout)
             if stalled:
+                suspect.append(addr)
                 self._stalls_locked(addr, rec, now, stalled, fx)
+        if suspect or self._suspect:
+            self._suspect = frozenset(suspect)
 
     @staticmethod
     def _sample_record_locked(rec: Record, now: float, timeout: float

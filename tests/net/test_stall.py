@@ -361,3 +361,36 @@ def test_off_changes_nothing(make_app, ups, ca, tmp_path, clients):
     assert entry["ready"] is True
     assert "stall_checks_total" not in http(app.health_address, "/metrics")[2].decode()
     assert not c.closed_within(0.2)
+
+
+@pytest.mark.timeout(60)
+@RELAYS
+def test_new_connections_go_elsewhere_while_a_connection_is_stalled(
+        make_app, ups, ca, tmp_path, clients, relay):
+    # The server's /readyz keeps saying 200 (checks pass, nothing is excluded); only the
+    # stalled request says new requests would hang there too.
+    app = start(make_app, ups, ca, tmp_path, relay=relay)  # random: up0 half the time
+    bad = ups[0]
+    stalled = clients(app, ca, "up0")
+    bad.silence(readyz_lag=60.0)
+    stalled.send("/whoami")
+    wait_until(lambda: app.registry.snapshot().get(bad.address).stalls >= 1,
+               STALL + PERIOD + SLACK, message="the stall")
+    for _ in range(20):
+        c = Client(app, ca)
+        try:
+            assert c.get("/whoami", timeout=2.0) == b"up1"
+        finally:
+            c.close()
+    u = app.registry.snapshot().get(bad.address)
+    assert u.ready and u.healthy
+    bad.answering.set()  # answered: no longer suspect, new connections reach it again
+    assert stalled.answer(SLACK + 1) == b"up0"
+
+    def lands_on_up0() -> bool:
+        c = Client(app, ca)
+        try:
+            return c.get("/whoami", timeout=2.0) == b"up0"
+        finally:
+            c.close()
+    wait_until(lands_on_up0, 5, message="a new connection on up0 again")

@@ -271,3 +271,56 @@ def test_off_tracks_nothing_and_shows_nulls():
     rig.reg.record_probe(A, ready(False))
     assert not c.closed
     assert "stall_checks_total" not in metrics_text(rig.reg)
+
+
+@pytest.mark.parametrize("selection", ["random", "least-conn"])
+def test_new_connections_avoid_a_suspect_while_another_upstream_can_take_them(selection):
+    rig = Rig()
+    rig.reg = Registry(clock=rig.clock, readyz=True, stall_timeout=T, selection=selection,
+                       unready_drain_timeout=30.0)
+    rig.reg.set_endpoints(EPS)
+    for addr in (str(e) for e in EPS):
+        rig.reg.record_probe(addr, ready(True))
+    others = {str(e) for e in EPS} - {A}
+
+    def picks(n: int = 60) -> set[str]:
+        out = set()
+        for _ in range(n):
+            res = rig.reg.reserve()
+            assert res is not None
+            out.add(res.address)
+            res.release()
+        return out
+
+    c = rig.conn(A, "kubelet")
+    for i, addr in enumerate(sorted(others)):  # one each: least-conn ties
+        answer(rig.conn(addr, f"idle{i}"))
+    answer(c)
+    rig.sample()
+    assert A in picks()
+    ask(c)
+    rig.sample(0.25)
+    assert A in picks()  # unanswered, not yet stalled
+    rig.sample(T)  # stalled: suspect until answered or excluded
+    assert picks() == others
+    answer(c)
+    rig.sample(0.25)
+    assert A in picks()
+    # Every upstream suspect: the picks go on as before rather than nowhere.
+    conns = [rig.conn(str(e), f"c{i}") for i, e in enumerate(EPS)]
+    rig.sample()
+    for x in conns:
+        ask(x)
+    rig.sample(0.25)
+    rig.sample(T)
+    assert picks() == {str(e) for e in EPS}
+
+
+def test_off_has_no_suspects():
+    rig = Rig(stall=0.0)
+    c = rig.conn(A, "kubelet")
+    rig.sample()
+    ask(c)
+    rig.sample(0.25)
+    rig.sample(10 * T)
+    assert A in {rig.reg.reserve().address for _ in range(60)}  # type: ignore[union-attr]
