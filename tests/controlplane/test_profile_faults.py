@@ -44,8 +44,10 @@ from epscripts.fleet import compare  # noqa: E402 - scripts/ is on the path (con
 from epscripts.fleet.nodes import Fleet  # noqa: E402
 
 # The partition target was missed in 2 of 5 runs on a loaded machine (a just-cut server
-# still answers /readyz for ~3 s; watches wait the unready drain): a measurement, run with
-# EP_CONTROLPLANE_SLOW=1, not a CI gate until the profile meets it every time.
+# still answers /readyz for ~3 s; watches waited a 3 s unready drain). With the stall
+# check's second look and a 1 s unready drain it was met in the 3 runs since (docs/
+# deploy.md); still a measurement run with EP_CONTROLPLANE_SLOW=1: the worst case (a cut
+# that coincides with a Lease renewal while /readyz lags) is ~15.5 s, at the target.
 pytestmark = [pytest.mark.controlplane,
               pytest.mark.skipif(os.environ.get("EP_CONTROLPLANE_SLOW") != "1",
                                  reason="set EP_CONTROLPLANE_SLOW=1 (about 5 minutes)")]
