@@ -1,0 +1,427 @@
+"""Membership that cannot go stale (issue 29): a node recovers on its own when every
+address it knows is gone, and when every discovered one is.
+
+Operators' most reported failure with node-local balancers is a node stuck on an endpoint
+list that no longer holds a live API server, often because the list was refreshed through
+the balancer itself; extractedprism's discovery goes through its own listener. Two
+measurements on the real control plane, each with four proxies side by side (the same
+run, the same faults): ``--static-endpoints`` always (the spec's behaviour) and fallback,
+each with the test timings (I, T) and with the spec's defaults (20 s, 15 s):
+
+* :func:`test_restart_after_the_control_plane_moved`: the proxies run with ``--endpoints``
+  naming api1 and api2 by address and a host name ``NAME`` that resolves to api3, and a
+  ``--state-file``; they stop; api1-api3 are killed and their addresses black-holed from
+  the node (a replaced machine answers nothing, not even a reset); api5-api7 take over on
+  new addresses, and ``NAME`` now resolves to api5 (each proxy reads a hosts file of its
+  own, standing in for the control plane's DNS name); the proxies start again. Every
+  address in the state file and ``--endpoints`` is dead except the name's.
+* :func:`test_discovered_servers_die_static_lives`: ``--endpoints`` names api4 only, an API
+  server that never enters the ``kubernetes`` EndpointSlice (``--endpoint-reconciler-type
+  =none``: a static endpoint the slice does not list, as a DNS name or an external
+  balancer in front of the servers is); discovery lists api1-api3; all three die
+  (SIGKILL, addresses black-holed). No live reconciler drops their leases, so the slice
+  keeps naming the dead servers: discovery's list goes stale and stays stale.
+
+The client: one request loop per proxy, a new connection per request (GET /readyz, as
+authenticated clients and the kubelet's reconnects do), every ``PERIOD`` s, each given
+the kubelet's heartbeat timeout (``CLIENT_TIMEOUT``). Figures: the first request that
+succeeds, and "flowing": the end of the first success after which no request failed,
+both from the proxies' start (or the fault); the failed requests; for the first test,
+when every new server is discovered and ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.controlplane import harness
+from tests.controlplane.conftest import (
+    INTERVAL,
+    MARKS,
+    SLACK,
+    TIMEOUT,
+    cphost,
+    record,
+    require_control_plane,
+    restore,
+)
+from tests.controlplane.harness import mono
+from tests.util import wait_until
+
+require_control_plane()
+
+# Each test: a control plane moved or killed, four proxies, the restore afterwards.
+pytestmark = [*MARKS, pytest.mark.timeout(900)]
+
+NAME = "cp.extractedprism.test"  # the control plane's DNS name, in --endpoints
+OLD = cphost.APISERVERS  # api1-api3
+NEW = ("api5", "api6", "api7")
+STATIC_ONLY = "api4"  # (second test) reachable, never in the slice
+PERIOD = 0.5  # the request loop's pause between requests
+# The kubelet gives a heartbeat request min(node status update frequency, lease
+# duration) = 10 s; a client of ours waits as long for an answer.
+CLIENT_TIMEOUT = 10.0
+DEFAULT_INTERVAL = 20.0  # the spec's --health-interval
+DEFAULT_TIMEOUT = 15.0  # the spec's --health-timeout (also the dial timeout)
+# How long the new servers' lease reconcilers take to drop the killed servers from the
+# slice: the lease TTL (15 s) plus a reconcile period (10 s) plus start-up.
+LEASE_EXPIRY_S = 60.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    mode: str  # --static-endpoints
+    interval: float
+    timeout: float
+
+
+VARIANTS = (
+    Variant("always-test", "always", INTERVAL, TIMEOUT),
+    Variant("fallback-test", "fallback", INTERVAL, TIMEOUT),
+    Variant("always-defaults", "always", DEFAULT_INTERVAL, DEFAULT_TIMEOUT),
+    Variant("fallback-defaults", "fallback", DEFAULT_INTERVAL, DEFAULT_TIMEOUT),
+)
+
+
+def r(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+# --- the node's view of the network ----------------------------------------------------
+
+
+def blackhole(cp: Any, api: str) -> None:
+    """Frames from the root namespace (the node) to ``api`` go to a MAC nobody has: the
+    address answers nothing, as a machine that is gone."""
+    cphost.run_ip("neigh", "replace", cp.ip(api), "lladdr", cphost.DEAD_MAC, "dev",
+                  cp.state["bridge"], "nud", "permanent")
+
+
+def unblackhole(cp: Any, api: str) -> None:
+    cphost.run_ip("neigh", "del", cp.ip(api), "dev", cp.state["bridge"], check=False)
+
+
+def write_hosts(path: Path, ip: str) -> None:
+    """In place (the proxies' bind mounts hold the inode)."""
+    with open(path, "r+" if path.exists() else "w") as f:
+        f.seek(0)
+        f.write(f"127.0.0.1 localhost\n{ip} {NAME}\n")
+        f.truncate()
+
+
+# --- the client --------------------------------------------------------------------------
+
+
+@dataclass
+class Requests:
+    """One request loop through a proxy: a new TLS connection per GET /readyz."""
+
+    port: int
+    ctx: ssl.SSLContext
+    results: list[tuple[float, float, bool, str]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> Requests:
+        self._thread = threading.Thread(target=self._run, name="cp-stale-requests",
+                                        daemon=True)
+        return harness.start_live(self, [self._thread])
+
+    def _one(self) -> tuple[bool, str]:
+        conn = http.client.HTTPSConnection("127.0.0.1", self.port, context=self.ctx,
+                                           timeout=CLIENT_TIMEOUT)
+        try:
+            # SNI and verification as kubernetes.default.svc: connected here, so the
+            # request goes on this socket.
+            sock = socket.create_connection(("127.0.0.1", self.port), CLIENT_TIMEOUT)
+            conn.sock = self.ctx.wrap_socket(sock, server_hostname=harness.SERVER_NAME)
+            conn.request("GET", "/readyz")
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status == 200, f"HTTP {resp.status}"
+        except (OSError, http.client.HTTPException) as exc:
+            return False, f"{type(exc).__name__}: {exc}"[:200]
+        finally:
+            conn.close()
+
+    def _run(self) -> None:
+        deadline = mono() + harness.MAX_RUN_S
+        for _ in range(10_000):
+            if self._stop.is_set() or mono() > deadline:
+                break
+            t0 = mono()
+            ok, what = self._one()
+            self.results.append((t0, mono(), ok, what))
+            self._stop.wait(PERIOD)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(CLIENT_TIMEOUT + 5)
+
+    def figures(self, since: float) -> dict[str, Any]:
+        """first_ok / flowing: seconds from ``since`` to the end of the first success,
+        and of the first success after which nothing failed (None: never)."""
+        rows = [x for x in self.results if x[0] >= since]
+        first_ok = next((end for _, end, ok, _ in rows if ok), None)
+        flowing = None
+        for i, (_, end, ok, _) in enumerate(rows):
+            if ok and all(x[2] for x in rows[i:]):
+                flowing = end
+                break
+        failed = [what for _, _, ok, what in rows if not ok]
+        return {"first_ok_s": r(first_ok - since) if first_ok is not None else None,
+                "flowing_s": r(flowing - since) if flowing is not None else None,
+                "requests": len(rows), "failed": len(failed),
+                "failures": sorted(set(failed))[:4]}
+
+    def flowing_since(self, since: float, hold: float) -> bool:
+        """Every request of the last ``hold`` s succeeded (and there were some)."""
+        rows = [x for x in self.results if x[0] >= since]
+        if not rows or rows[-1][1] - hold < since:
+            return False
+        tail = [x for x in rows if x[1] >= rows[-1][1] - hold]
+        return len(tail) >= 2 and all(x[2] for x in tail)
+
+
+def ready_in(ups: dict[str, dict[str, Any]], addresses: list[str]) -> bool:
+    return all(a in ups and ups[a]["healthy"] and not ups[a]["draining"]
+               and ups[a]["readiness"] == "ready" and "kubernetes" in ups[a]["source"]
+               for a in addresses)
+
+
+def upstreams_or_empty(proxy: harness.Proxy) -> dict[str, dict[str, Any]]:
+    try:
+        return proxy.upstreams()
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+# --- fixtures ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def moved(cluster: Any) -> Iterator[Any]:
+    """The run, restored afterwards: nothing black-holed, the spares stopped gracefully
+    (each drops its own lease from the slice), api1-api3 back and alone in the slice."""
+    try:
+        yield cluster
+    finally:
+        harness.stop_live()
+        for api in (*OLD, *NEW, STATIC_ONLY):
+            unblackhole(cluster, api)
+        spares = [a for a in (*NEW, STATIC_ONLY) if a in cluster.state["netns"]
+                  and cluster.running(a)]
+        for api in spares:
+            cluster.term(api)
+        for api in spares:
+            if not cluster.wait_exit(api, 60):
+                cluster.kill(api)
+        restore(cluster)
+        cluster.wait_slice({cluster.ip(a) for a in OLD}, LEASE_EXPIRY_S)
+
+
+def start_variant(cluster: Any, tmp_path: Path, v: Variant, *, endpoints: list[str],
+                  hosts: Path | None, tag: str) -> harness.Proxy:
+    return harness.start_proxy(
+        cluster, tmp_path, interval=v.interval, timeout=v.timeout, endpoints=endpoints,
+        hosts=hosts, name=f"{v.name}-{tag}",
+        extra=[f"--static-endpoints={v.mode}",
+               f"--state-file={tmp_path / (v.name + '.state')}"])
+
+
+def start_variants(cluster: Any, tmp_path: Path, *, endpoints: list[str],
+                   hosts: Path | None, tag: str) -> dict[str, harness.Proxy]:
+    return {v.name: start_variant(cluster, tmp_path, v, endpoints=endpoints, hosts=hosts,
+                                  tag=tag) for v in VARIANTS}
+
+
+def stop_variants(proxies: dict[str, harness.Proxy]) -> None:
+    for p in proxies.values():
+        p.stop()
+
+
+def state_file_lists(path: Path, want: set[str]) -> bool:
+    from extractedprism.discovery import statefile
+
+    got = statefile.read(str(path))  # None until written (it is replaced atomically)
+    return got is not None and {str(e) for e in got} == want
+
+
+def wait_serving(cluster: Any, apis: tuple[str, ...], via: str, timeout: float) -> float:
+    """Until each of ``apis`` answers /readyz 200 and the slice (asked of ``via``) lists
+    exactly them."""
+    t0 = mono()
+    want = {cluster.ip(a) for a in apis}
+
+    def ok() -> bool:
+        for api in apis:
+            if cluster.pid(api) is None:
+                raise AssertionError(f"{api} exited while starting")
+        return (all(cluster.readyz(a) == 200 for a in apis)
+                and cluster.slice_addresses(via=via) == want)
+
+    wait_until(ok, timeout, interval=0.5,
+               message=f"{', '.join(apis)} ready and alone in the kubernetes EndpointSlice")
+    return mono() - t0
+
+
+# --- (a) every address the node knows is gone -------------------------------------------
+
+
+def recovery_bound(v: Variant) -> float:
+    """Until traffic flows after the restart: the name's first probe (at start) or a
+    client dial through to it after every dead pick failed: at most two dial timeouts
+    (two black-holed dials in flight, the second hedged), then panic mode's one more;
+    a readyz probe of the name's server; the client's own retry period; the slack."""
+    return 3 * v.timeout + v.timeout + PERIOD + SLACK
+
+
+def discovery_bound(v: Variant) -> float:
+    """Until the new servers are discovered and ready: the list through the proxy's
+    listener once traffic flows (discovery's backoff at most doubled past it: 2x), then
+    two probe rounds of the new upstreams."""
+    return 2 * recovery_bound(v) + 2 * v.interval + v.timeout + SLACK
+
+
+def test_restart_after_the_control_plane_moved(moved: Any, tmp_path: Path) -> None:
+    cp = moved
+    hosts = tmp_path / "hosts"
+    write_hosts(hosts, cp.ip("api3"))
+    endpoints = [cp.endpoint("api1"), cp.endpoint("api2"), f"{NAME}:{cphost.PORT}"]
+    old = {cp.endpoint(a) for a in OLD}
+    proxies = start_variants(cp, tmp_path, endpoints=endpoints, hosts=hosts, tag="before")
+    try:
+        for v in VARIANTS:
+            wait_until(lambda v=v: state_file_lists(tmp_path / f"{v.name}.state", old),
+                       2 * v.interval + v.timeout + 30, interval=0.2,
+                       message=f"{v.name}: the state file lists api1-api3")
+    finally:
+        stop_variants(proxies)
+
+    # The control plane moves while the node's proxy is down.
+    for api in OLD:
+        cp.kill(api)
+        blackhole(cp, api)
+    for api in NEW:
+        cp.add_apiserver(api)
+        cp.start(api)
+    moved_s = wait_serving(cp, NEW, via=NEW[0], timeout=90 + LEASE_EXPIRY_S)
+    write_hosts(hosts, cp.ip(NEW[0]))
+    new = [cp.endpoint(a) for a in NEW]
+
+    # Each proxy's clock starts when it is started; its client starts as soon as it
+    # answers /healthz (the process is up), before anything else is started.
+    t_start: dict[str, float] = {}
+    started: dict[str, float | None] = {}
+    proxies: dict[str, harness.Proxy] = {}
+    loops: dict[str, Requests] = {}
+    discovered: dict[str, float | None] = {v.name: None for v in VARIANTS}
+    try:
+        for v in VARIANTS:
+            t_start[v.name] = mono()
+            proxies[v.name] = start_variant(cp, tmp_path, v, endpoints=endpoints, hosts=hosts,
+                                            tag="after")
+            started[v.name] = r(mono() - t_start[v.name])
+            loops[v.name] = Requests(proxies[v.name].port, cp.ssl_context()).start()
+        deadline = mono() + max(discovery_bound(v) for v in VARIANTS) + CLIENT_TIMEOUT
+        while mono() < deadline:
+            for v in VARIANTS:
+                if discovered[v.name] is None and ready_in(
+                        upstreams_or_empty(proxies[v.name]), new):
+                    discovered[v.name] = r(mono() - t_start[v.name])
+            if all(discovered.values()) and all(
+                    loops[v.name].flowing_since(t_start[v.name], 4 * PERIOD)
+                    for v in VARIANTS):
+                break
+            time.sleep(0.1)
+        final = {name: upstreams_or_empty(p) for name, p in proxies.items()}
+    finally:
+        for loop in loops.values():
+            loop.stop()
+        stop_variants(proxies)
+    figs = {v.name: {**loops[v.name].figures(t_start[v.name]),
+                     "discovered_ready_s": discovered[v.name],
+                     "proxy_started_s": started[v.name], "bound_s": recovery_bound(v),
+                     "discovery_bound_s": discovery_bound(v),
+                     "upstreams_at_end": {a: (u["state"], u["source"])
+                                          for a, u in final[v.name].items()}}
+            for v in VARIANTS}
+    record("stale: restart after the control plane moved", moved_s=r(moved_s), **figs)
+    for v in VARIANTS:
+        f = figs[v.name]
+        assert f["flowing_s"] is not None and f["flowing_s"] <= recovery_bound(v), (
+            f"{v.name}: traffic did not flow within {recovery_bound(v):g}s: {f}")
+        assert discovered[v.name] is not None and discovered[v.name] <= discovery_bound(v), (
+            f"{v.name}: api5-api7 not discovered and ready within "
+            f"{discovery_bound(v):g}s: {f}")
+
+
+# --- (b) every discovered server dies, the static one lives -----------------------------
+
+
+def fault_bound(v: Variant) -> float:
+    """Until traffic flows after the discovered servers died: see recovery_bound."""
+    return recovery_bound(v)
+
+
+def test_discovered_servers_die_static_lives(moved: Any, tmp_path: Path) -> None:
+    cp = moved
+    cp.add_apiserver(STATIC_ONLY)
+    cp.start(STATIC_ONLY, ["--endpoint-reconciler-type=none"])
+    wait_until(lambda: cp.readyz(STATIC_ONLY) == 200, 90, interval=0.5,
+               message=f"{STATIC_ONLY} ready")
+    assert cp.slice_addresses(via="api1") == {cp.ip(a) for a in OLD}
+    static = cp.endpoint(STATIC_ONLY)
+    old = [cp.endpoint(a) for a in OLD]
+    proxies = start_variants(cp, tmp_path, endpoints=[static], hosts=None, tag="b")
+    loops: dict[str, Requests] = {}
+    try:
+        for v in VARIANTS:
+            wait_until(lambda v=v: ready_in(upstreams_or_empty(proxies[v.name]), old),
+                       2 * v.interval + v.timeout + 30, interval=0.2,
+                       message=f"{v.name}: api1-api3 discovered and ready")
+        roles = {v.name: upstreams_or_empty(proxies[v.name]).get(static, {}).get("state")
+                 for v in VARIANTS}
+        loops = {name: Requests(p.port, cp.ssl_context()).start()
+                 for name, p in proxies.items()}
+        wait_until(lambda: all(loop.flowing_since(0, 2 * PERIOD) for loop in loops.values()),
+                   30, interval=0.2, message="requests flowing before the fault")
+        t_fault = mono()
+        for api in OLD:
+            blackhole(cp, api)
+            cp.kill(api)
+        deadline = t_fault + max(fault_bound(v) for v in VARIANTS) + CLIENT_TIMEOUT
+        while mono() < deadline:
+            if all(loop.flowing_since(t_fault, 4 * PERIOD) for loop in loops.values()):
+                break
+            time.sleep(0.2)
+        final = {name: upstreams_or_empty(p) for name, p in proxies.items()}
+    finally:
+        for loop in loops.values():
+            loop.stop()
+        stop_variants(proxies)
+    figs = {v.name: {**loops[v.name].figures(t_fault), "bound_s": fault_bound(v),
+                     "static_state_before": roles[v.name],
+                     "upstreams_at_end": {a: (u["state"], u["source"])
+                                          for a, u in final[v.name].items()}}
+            for v in VARIANTS}
+    record("stale: discovered servers die, the static one lives", **figs)
+    for v in VARIANTS:
+        f = figs[v.name]
+        assert f["flowing_s"] is not None and f["flowing_s"] <= fault_bound(v), (
+            f"{v.name}: traffic did not flow via {static} within {fault_bound(v):g}s: {f}")
+        with contextlib.suppress(KeyError):
+            assert final[v.name][static]["healthy"], f"{v.name}: {final[v.name][static]}"
