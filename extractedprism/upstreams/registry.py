@@ -60,7 +60,13 @@ from extractedprism.upstreams.records import (
 )
 from extractedprism.upstreams.reservation import Reservation
 from extractedprism.upstreams.roles import Roles
-from extractedprism.upstreams.selection import Candidate, choose, eligible, pick
+from extractedprism.upstreams.selection import (
+    Candidate,
+    choose,
+    eligible,
+    hedge_last_resort,
+    pick,
+)
 from extractedprism.upstreams.snapshot import (
     AdminMark,
     AdminOutcome,
@@ -236,6 +242,34 @@ class Registry:
             else:
                 alone = self._pickable <= 1  # counted with the eligible list
             return Reservation(self.lock, rec, addr, alone=alone)
+
+    def reserve_hedge(self, exclude: Iterable[str]) -> Reservation | None:
+        """Pick and count the hedge of a connection whose dial in flight has stalled
+        (Dialer): an ordinary pick among the pickable upstreams not in ``exclude`` that
+        are not marked stalled; if none is left, :func:`hedge_last_resort` (a static
+        fallback, or a stalled one). None when nothing is left at all."""
+        skip = set(exclude)
+        with self.lock:
+            stalled = {a for a, r in self._ups.items() if r.stalled}
+            addr = self._choose_locked(skip | stalled)
+            if addr is None:
+                addr = hedge_last_resort(
+                    [Candidate(address=a, healthy=r.state.healthy, draining=r.state.draining,
+                               fallback=r.state.fallback,
+                               ready=r.state.readiness is Readiness.READY, tier=None,
+                               active=len(r.conns) + r.dialing,
+                               admin_drained=r.state.admin_drained, stalled=r.stalled,
+                               last_success=r.last_success)
+                     for a, r in self._ups.items()],
+                    readyz=self._readyz, exclude=skip)
+                if addr is None:
+                    return None
+            rec = self._ups[addr]
+            rec.dialing += 1
+            alone = not any(r.state.pickable and a != addr and a not in skip
+                            for a, r in self._ups.items())
+            return Reservation(self.lock, rec, addr, alone=alone,
+                               panic=rec.state.fallback)
 
     def reserve_endpoint(self, endpoint: Endpoint) -> Reservation | None:
         """Count a dial to ``endpoint`` chosen by panic mode; None if no longer known."""
@@ -450,6 +484,7 @@ class Registry:
             rec.last_check_at = now
             if result.ok:
                 rec.last_success = now
+                rec.stalled = False
                 if self._latency_mode and result.rtt is not None:
                     self._latency.observe(addr, result.rtt)
             before = rec.state
@@ -504,6 +539,7 @@ class Registry:
             return None
         if ok:
             rec.last_success = self._clock()
+            rec.stalled = False
             if not sm.dial_success_changes(rec.state):
                 return None  # nearly every connection: on_dial would change nothing
         state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)

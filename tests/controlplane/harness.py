@@ -518,7 +518,8 @@ class Proxy:
 def start_proxy(cp: Any, workdir: Path, *, interval: float, timeout: float,
                 endpoints: list[str] | None = None, drain: str = "30s",
                 discovery: bool = True, readyz: bool = True, extra: list[str] | None = None,
-                name: str = "ep", hosts: Path | None = None) -> Proxy:
+                name: str = "ep", hosts: Path | None = None,
+                root: Path | None = None) -> Proxy:
     """Start extractedprism on 127.0.0.1 (free ports) in front of the run ``cp``.
 
     Discovery goes through the proxy's own listener, verified as kubernetes.default.svc,
@@ -529,6 +530,8 @@ def start_proxy(cp: Any, workdir: Path, *, interval: float, timeout: float,
     /etc/hosts, bind-mounted over it in a private mount namespace of the proxy's own
     (the machine's file is never touched). The resolver reads it on every lookup, so a
     test that rewrites it in place (same inode) moves a name, as a DNS change would.
+    ``root``: run the extractedprism of another checkout (a before/after comparison in
+    one run); default this one.
     """
     from tests.util import PYTHON, ROOT, start_on_free_ports
 
@@ -561,7 +564,7 @@ def start_proxy(cp: Any, workdir: Path, *, interval: float, timeout: float,
         with open(log_path, "ab") as logf:  # the child keeps its own descriptor
             return subprocess.Popen(argv, stdout=logf,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, cwd=ROOT)
+                                    env=env, cwd=root or ROOT)
 
     def ready(ports: list[int]) -> bool:
         return http_status(f"http://127.0.0.1:{ports[1]}/healthz") == 200

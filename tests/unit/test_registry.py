@@ -572,3 +572,38 @@ def test_a_dead_upstreams_close_deadline_does_not_keep_moving_forward():
         assert reg.snapshot().get(A).close_deadline is None  # nothing left to close
         clock.now += 5.1
         reg.tick()
+
+
+def test_reserve_hedge_avoids_stalled_upstreams_then_takes_the_fallback() -> None:
+    """Issue 29: a hedge skips upstreams marked stalled while a pickable one without the
+    mark is left, then goes to a static fallback; the mark stays after the dial ends
+    and goes with the next success (a check or a dial)."""
+    from extractedprism.upstreams.roles import Roles
+
+    reg = Registry(rng=random.Random(0))
+    reg.set_endpoints(EPS, Roles(sources={A: ("kubernetes",), B: ("kubernetes",),
+                                          C: ("static",)}, fallback=frozenset({C})))
+    # Nothing stalled: an ordinary pick, never the fallback while a discovered one is left.
+    plain = reg.reserve_hedge(exclude={A})
+    assert plain is not None and plain.address == B and not plain.panic
+    plain.release()
+    first = reg.reserve()
+    assert first is not None and first.address in (A, B)
+    other = B if first.address == A else A
+    first.stall()
+    hedge = reg.reserve_hedge(exclude={first.address})
+    assert hedge is not None and hedge.address == other and not hedge.panic
+    hedge.stall()
+    hedge.release()  # the dial timed out: the mark stays
+    first.release()
+    assert reg._ups[A].stalled and reg._ups[B].stalled and not reg._ups[C].stalled
+    second = reg.reserve_hedge(exclude={A})  # B is pickable but stalled: the fallback
+    assert second is not None and second.address == C and second.panic
+    second.release()
+    assert all(r.dialing == 0 for r in reg._ups.values())
+    reg.record_probe(A, OK)  # a success clears the mark
+    reg.record_dial(B, True)
+    assert not reg._ups[A].stalled and not reg._ups[B].stalled
+    third = reg.reserve_hedge(exclude={A})
+    assert third is not None and third.address == B
+    third.release()
