@@ -144,7 +144,7 @@ class Record:
             stalls=stalls, stalled_connections=stalled_connections,
             stall_checks=tuple(sorted(self.stall_checks.items())),
             answer_hedges=tuple(sorted(self.answer_hedges.items())),
-            dials_in_flight=self.dialing)
+            dials_in_flight=self.dialing, dial_stalled=self.stalled)
 
 
 def spread(ids: list[int], now: float, over: float) -> list[tuple[float, int]]:

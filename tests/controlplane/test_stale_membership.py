@@ -22,6 +22,10 @@ each with the test timings (I, T) and with the spec's defaults (20 s, 15 s):
   (SIGKILL, addresses black-holed). No live reconciler drops their leases, so the slice
   keeps naming the dead servers: discovery's list goes stale and stays stale.
 
+* :func:`test_kubelet_lease_when_the_discovered_servers_die`: the same fault under a real
+  (hollow) kubelet behind its node's extractedprism (``--static-endpoints=fallback``, the
+  spec's timings): how long until its Lease renews.
+
 The client: one request loop per proxy, a new connection per request (GET /readyz, as
 authenticated clients and the kubelet's reconnects do), every ``PERIOD`` s, each given
 the kubelet's heartbeat timeout (``CLIENT_TIMEOUT``). Figures: the first request that
@@ -34,9 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -445,3 +451,123 @@ def test_discovered_servers_die_static_lives(moved: Any, tmp_path: Path) -> None
             f"{v.name}: traffic did not flow via {static} within {flow_bound(v):g}s: {f}")
         with contextlib.suppress(KeyError):
             assert final[v.name][static]["healthy"], f"{v.name}: {final[v.name][static]}"
+
+
+# --- (b) with a real kubelet: how long until its Lease renews ------------------------------
+
+# The kubelet (kubemark's hollow kubelet keeps its defaults) renews its Lease every
+# quarter of its 40 s duration; kube-controller-manager marks a node NotReady after
+# --node-monitor-grace-period 50 s without one.
+RENEW = 10.0
+NODE_GRACE = 50.0
+
+
+def _in_node(fleet: Any, node: str, code: str) -> str:
+    out = fleet.in_netns(node, [sys.executable, "-c", code], timeout=15)
+    return out.stdout
+
+
+def _node_upstreams(fleet: Any, node: str) -> dict[str, dict[str, Any]]:
+    code = ("import json, urllib.request as u; print(json.dumps({x['address']: x for x in "
+            "json.load(u.urlopen('http://127.0.0.1:7446/upstreams', timeout=5))"
+            "['upstreams']}))")
+    try:
+        return dict(json.loads(_in_node(fleet, node, code) or "{}"))
+    except ValueError:
+        return {}
+
+
+def test_kubelet_lease_when_the_discovered_servers_die(moved: Any, tmp_path: Path) -> None:
+    """A hollow kubelet behind extractedprism as its static pod runs it, with
+    ``--static-endpoints=fallback`` and the spec's timings (20 s / 15 s): the node's
+    ``--endpoints`` name api4 only (never in the slice), discovery lists api1-api3; all
+    three die (SIGKILL, black-holed from the node). Figure: from the fault to the
+    Lease's first renewal, and the longest gap; bound: the node never goes NotReady
+    (the renewal comes within the grace period, with the renewal period and a request
+    timeout to spare). With ``EP_STALE_COMPARE_TREE``, a second node runs that
+    checkout's proxy on the same fault."""
+    from tests.controlplane.conftest import fleet_why_not
+
+    why = fleet_why_not()
+    if why:
+        pytest.skip(f"fleet tests: {why}")
+    from epscripts.controlplane.pki import kubeconfig
+    from epscripts.fleet import observe
+    from epscripts.fleet.nodes import Fleet
+
+    cp = moved
+    cp.add_apiserver(STATIC_ONLY)
+    cp.start(STATIC_ONLY, ["--endpoint-reconciler-type=none"])
+    wait_until(lambda: cp.readyz(STATIC_ONLY) == 200, 90, interval=0.5,
+               message=f"{STATIC_ONLY} ready")
+    # The controllers talk to the server that lives, so they see the fault from outside.
+    (cp.dir / f"admin-{STATIC_ONLY}.kubeconfig").write_text(kubeconfig(
+        f"https://{cp.endpoint(STATIC_ONLY)}", cp.ca, token=cp.token("admin")))
+    static = cp.endpoint(STATIC_ONLY)
+    old = [cp.endpoint(a) for a in OLD]
+    extra = [f"--endpoints={static}", "--static-endpoints=fallback", "--log-level=info"]
+    fleet = Fleet(cp)
+    if fleet.state["nodes"]:
+        fleet.down()
+    ep_cmds = {"this": [sys.executable, "-m", "extractedprism"]}
+    if _COMPARE:
+        # That checkout's package first on the path; the fleet runs every balancer from
+        # this checkout's directory.
+        ep_cmds["compared"] = [sys.executable, "-c",
+                               f"import runpy, sys; sys.path.insert(0, {_COMPARE!r}); "
+                               "runpy.run_module('extractedprism', run_name='__main__', "
+                               "alter_sys=True)"]
+    sampler = None
+    try:
+        fleet.state["lb"] = "extractedprism"
+        fleet.save()
+        fleet.start_controllers(STATIC_ONLY)
+        names = {}
+        for i, (label, cmd) in enumerate(ep_cmds.items(), 1):
+            names[label] = fleet.add_node(i, "extractedprism", cmd, None, list(extra))
+        observe.wait_nodes_ready(cp, fleet.nodes, timeout=120, alive=fleet.check_alive)
+        sampler = observe.Sampler(cp, fleet.nodes, period=1.0).start()
+        for node in fleet.nodes:
+            wait_until(lambda n=node: ready_in(_node_upstreams(fleet, n), old)
+                       and len(sampler.renewals.get(n, ())) >= 2,
+                       2 * DEFAULT_INTERVAL + DEFAULT_TIMEOUT + 2 * RENEW + 30, interval=1.0,
+                       message=f"{node}: api1-api3 discovered and ready, two renewals")
+        t_fault = time.time()
+        for api in OLD:
+            blackhole(cp, api)
+            for node in fleet.nodes:  # the node's own namespace has its own neighbours
+                cphost.run_ip("-n", fleet.netns(node), "neigh", "replace", cp.ip(api),
+                              "lladdr", cphost.DEAD_MAC, "dev", "eth0", "nud", "permanent")
+            cp.kill(api)
+        deadline = time.monotonic() + NODE_GRACE + 10
+        while time.monotonic() < deadline:
+            fleet.check_alive()
+            if all(len([t for t in sampler.renewals.get(n, ()) if t > t_fault]) >= 3
+                   for n in fleet.nodes):
+                break
+            time.sleep(1.0)
+        t_end = time.time()
+        gaps = sampler.lease_gaps(since=t_fault, until=t_end)
+        first = {n: min((t for t in sampler.renewals.get(n, ()) if t > t_fault),
+                        default=None) for n in fleet.nodes}
+        not_ready = sampler.not_ready(since=t_fault)
+        ups = {n: {a: u["state"] for a, u in _node_upstreams(fleet, n).items()}
+               for n in fleet.nodes}
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        for node in fleet.nodes:
+            with contextlib.suppress(OSError):
+                cp.request(STATIC_ONLY, f"/api/v1/nodes/{node}", method="DELETE", timeout=5)
+        fleet.down()
+    figs = {label: {"node": n,
+                    "first_renewal_after_fault_s": r(first[n] - t_fault)
+                    if first[n] is not None else None,
+                    "longest_lease_gap_s": r(gaps[n]), "not_ready": not_ready.get(n, []),
+                    "upstreams_at_end": ups[n]} for label, n in names.items()}
+    record("stale: kubelet Lease, discovered servers die", renew_s=RENEW,
+           node_grace_s=NODE_GRACE, **figs)
+    n = names["this"]
+    assert first[n] is not None, f"the Lease was never renewed after the fault: {figs}"
+    assert not not_ready.get(n), f"{n} went NotReady: {figs}"
+    assert gaps[n] < NODE_GRACE, figs

@@ -182,3 +182,6 @@ def test_a_stall_is_remembered_after_the_stalled_dial_timed_out(
         assert all(snap.get(str(h)).healthy for h in (h1, h2)) and not snap.panic
         second = _timed(app.proxy_address)
         assert second[1] == "up0" and second[0] < BOUND, (second, BOUND)
+        # Both holes marked (what /upstreams shows as dial_stalled), the fallback not.
+        assert [snap.get(str(e)).dial_stalled for e in (h1, h2, static.endpoint)] == [
+            True, True, False]
