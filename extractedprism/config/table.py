@@ -331,9 +331,10 @@ FLAGS: tuple[Flag, ...] = (
         "duration",
         "250ms",
         "When a dial to an upstream has not connected within this delay, dial a second "
-        "pickable upstream too (one without a stalled dial of its own; with none left, a "
-        "static fallback) and keep the first to connect (the slower dial still runs to its "
-        "end and counts); 0 turns hedging off",
+        "pickable upstream too and keep the first to connect (the slower dial still runs to "
+        "its end and counts); the stalled upstream takes no new connection while another "
+        "can until something succeeds there, and with nothing else left the second dial "
+        "may go to a static fallback; 0 turns hedging off",
         checks=(NOT_NEGATIVE,),
         group="datapath",
     ),

@@ -11,14 +11,15 @@ not completed within the hedge delay, a second one starts to another pickable up
 and the first to connect carries the connection, so a black-holed API server (SYNs
 unanswered) costs a client the hedge delay instead of the dial timeout. Never more than
 two dials are in flight per client connection. A dial in flight past the hedge delay
-marks its upstream stalled until something succeeds there, and the hedge avoids marked
-upstreams while another pickable one is left, then takes a static fallback
-(Registry.reserve_hedge; docs/lifecycle.md, "When every address a node knows is gone"),
-so a fault that black-holes every discovered server sends new connections to the live
-static endpoint within the hedge delay once the dead ones are marked. The losing dial is
-not abandoned: the reaper thread (``dial-reaper``) lets it run on within its dial timeout
-and records its outcome like any dial (connected: closed at once, a success; failed:
-toward the streak), so a black-holed upstream is excluded by the dials it swallows.
+marks its upstream stalled until something succeeds there (Registry.stall_dial): new
+connections skip marked upstreams while another pickable one is left, and the hedge
+avoids them too, then takes a static fallback (Registry.reserve_hedge; docs/lifecycle.md,
+"When every address a node knows is gone"), so a fault that black-holes every
+discovered server sends new connections to the live static endpoint once the dead ones
+are marked. The losing dial is not abandoned: the reaper thread (``dial-reaper``) lets
+it run on within its dial timeout and records its outcome like any dial (connected:
+closed at once, a success; failed: toward the streak); a marked black hole then takes
+few dials, and its failed checks exclude it.
 
 Both dials of one connection are non-blocking connects the pipe thread waits on in one
 ``poll``; the reaper waits on every losing dial in one ``poll`` too, so hedging costs no
@@ -372,7 +373,7 @@ class Dialer:
         hole's dials all stall, a live upstream's connect in a millisecond)."""
         for d in dials:
             if not d.res.stalled and now - (d.deadline - self._timeout) >= self._hedge:
-                d.res.stall()
+                self._registry.stall_dial(d.res)
 
     def _begin(self, d: Dial, poller: select.poll) -> bool:
         """Start connecting ``d`` (resolving a hostname first); True if it connected at

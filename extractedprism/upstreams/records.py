@@ -58,9 +58,10 @@ class Record:
     # not counted in the totals until they carry bytes or end answered.
     judging: set[int] = field(default_factory=set)
     dialing: int = 0  # picked, dial in progress: counts for least-conn
-    # A dial to it has been in flight past --dial-hedge-delay (Reservation.stall) and
-    # nothing has succeeded there since (a check or a dial clears it): a hedge avoids
-    # it while another is left (Registry.reserve_hedge, selection.hedge_last_resort).
+    # A dial to it has been in flight past --dial-hedge-delay and nothing has succeeded
+    # there since (Registry.stall_dial sets it, a check's or a dial's success clears it):
+    # picks and hedges avoid it while another is left (Registry._choose_locked,
+    # reserve_hedge, selection.hedge_last_resort).
     stalled: bool = False
     drain_deadline: float | None = None
     unready_deadline: float | None = None

@@ -19,7 +19,6 @@ class Counted(Protocol):
 
     endpoint: Endpoint
     dialing: int
-    stalled: bool
 
 
 class Reservation:
@@ -40,7 +39,7 @@ class Reservation:
         # them on (Dialer.connect's take_first_from); None: not taken.
         self.first: bytes | None = None
         self.sent = 0
-        self.stalled = False  # this dial has stalled (stall())
+        self.stalled = False  # this dial has stalled (Registry.stall_dial)
         self._rec: Counted | None = rec  # the record counted, even if replaced since
         self.address = address
         self.endpoint = rec.endpoint
@@ -55,16 +54,6 @@ class Reservation:
         rec, self._rec = self._rec, None
         if rec is not None and rec.dialing > 0:
             rec.dialing -= 1
-
-    def stall(self) -> None:
-        """This dial has been in flight past the hedge delay: its upstream is marked
-        stalled until something succeeds there (the registry clears the mark with every
-        success, this dial's own included). Once per dial."""
-        if self._rec is not None and not self.stalled:
-            with self._lock:
-                if self._rec is not None:
-                    self.stalled = True
-                    self._rec.stalled = True
 
     def release(self) -> None:
         if self._rec is not None:

@@ -306,14 +306,15 @@ def flow_bound(v: Variant) -> float:
 
     A request costs at most ``min(CLIENT_TIMEOUT, 2T + 2 hedges)``: its first pick and
     its hedge may both go to dead servers not yet known to stall (two dials in flight at
-    most), and the second dial after the first timed out reaches the live one. Each such
-    request marks the dead servers it dialled as stalled; a hedge avoids marked ones, so
-    with three dead servers at most two requests in a row miss (the second one's first
-    pick is an ordinary pick: it may be a marked server, and its hedge the one dead server
-    not marked yet); the third is carried within the hedge delay, and answered within
-    the answer hedge delay (a slower first answer would be hedged). Then the slack."""
+    most), and the second dial after the first timed out reaches the live one. That
+    request marks the two dead servers it dialled as stalled; the next one's first pick
+    skips them (the third dead server or the live endpoint), and a pick of the third
+    stalls and is hedged to the live endpoint, the only one left unmarked: at most one
+    request misses. The next is carried within the hedge delay and answered within the
+    answer hedge delay (a slower first answer would be hedged). Plus the loop's pause
+    before the first request (up to one period) and the slack."""
     per_request = min(CLIENT_TIMEOUT, 2 * v.timeout + 2 * HEDGE) + PERIOD
-    return 2 * per_request + HEDGE + ANSWER_HEDGE + SLACK
+    return PERIOD + per_request + HEDGE + ANSWER_HEDGE + SLACK
 
 
 def discovery_bound(v: Variant) -> float:
@@ -424,9 +425,12 @@ def test_discovered_servers_die_static_lives(moved: Any, tmp_path: Path) -> None
                  for name, p in proxies.items()}
         wait_until(lambda: all(loop.flowing_since(0, 2 * PERIOD) for loop in loops.values()),
                    30, interval=0.2, message="requests flowing before the fault")
-        t_fault = mono()
+        # The fault, for the node: the three addresses answer nothing from now on; the
+        # processes go after (their leases stay in the slice).
         for api in OLD:
             blackhole(cp, api)
+        t_fault = mono()
+        for api in OLD:
             cp.kill(api)
         # Twice the bound: code that misses it is measured, not cut off.
         deadline = t_fault + 2 * max(flow_bound(v) for v in VARIANTS) + CLIENT_TIMEOUT
@@ -532,12 +536,13 @@ def test_kubelet_lease_when_the_discovered_servers_die(moved: Any, tmp_path: Pat
                        and len(sampler.renewals.get(n, ())) >= 2,
                        2 * DEFAULT_INTERVAL + DEFAULT_TIMEOUT + 2 * RENEW + 30, interval=1.0,
                        message=f"{node}: api1-api3 discovered and ready, two renewals")
-        t_fault = time.time()
         for api in OLD:
             blackhole(cp, api)
             for node in fleet.nodes:  # the node's own namespace has its own neighbours
                 cphost.run_ip("-n", fleet.netns(node), "neigh", "replace", cp.ip(api),
                               "lladdr", cphost.DEAD_MAC, "dev", "eth0", "nud", "permanent")
+        t_fault = time.time()
+        for api in OLD:
             cp.kill(api)
         deadline = time.monotonic() + NODE_GRACE + 10
         while time.monotonic() < deadline:

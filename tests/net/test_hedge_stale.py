@@ -6,10 +6,11 @@ every discovered API server is black-holed while the static endpoint lives, a
 connection's first dial and its hedge both went to dead servers, stalled for the whole
 dial timeout (15 s with the spec's defaults), and the live static endpoint carried
 traffic only once failures excluded the dead ones: 32 s of failed requests. The rule:
-a hedge skips upstreams that have a dial of their own stalled past the hedge delay
-while another pickable one is left, and with none left goes to the healthy upstream
-without a stalled dial, a static fallback (``--static-endpoints=fallback``) included.
-Probes are kept out of the way (always up), so only the dials' stalls can tell."""
+an upstream whose dial stalled past the hedge delay (no success since) takes no new
+connection while another pickable one can, a hedge skips it too, and with nothing else
+left the hedge goes to the healthy upstream without the mark, a static fallback
+(``--static-endpoints=fallback``) included. Probes are kept out of the way (always up),
+so only the dials' stalls can tell."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ DIAL_TIMEOUT = 6.0  # --health-timeout: a black hole's dial stalls this long
 # A client reaches the live upstream within the hedge delay plus a loopback dial and a
 # 2-core machine's scheduling; far below the dial timeout a stalled hedge costs.
 BOUND = HEDGE + 1.0
+# --health-interval: an hour, so no scheduled check lands in a test (the ticker starts
+# at a random phase of the interval); an always-up check would clear a stall mark.
+CHECKS_OFF = 3600.0
 
 
 def _client(address: tuple[str, int], out: list[tuple[float, str | None]]) -> None:
@@ -72,6 +76,15 @@ def _stall_both(app: App, holes: list[Endpoint], clients: list[threading.Thread]
                interval=0.01, message="the dials in flight past the hedge delay")
 
 
+def _first_checks_done(app: App, endpoints: list[Endpoint]) -> None:
+    """Each upstream's first check recorded. Checks here are always up, and a success
+    clears a stall mark: one that landed after a client's dial stalled would clear it
+    (a real check of a black hole fails). The next come after --health-interval (or
+    --health-recheck after a failed dial): an hour here."""
+    wait_until(lambda: all(app.registry.snapshot().get(str(e)).last_check_at is not None
+                           for e in endpoints), 5, message="the first checks recorded")
+
+
 def _timed(address: tuple[str, int]) -> tuple[float, str]:
     t0 = time.monotonic()
     with socket.create_connection(address, timeout=DIAL_TIMEOUT * 3) as s:
@@ -95,9 +108,10 @@ def test_a_hedge_reaches_the_static_fallback_when_every_discovered_dial_stalls(
     with black_hole() as h1, black_hole() as h2:
         app = make_app([static.endpoint], static_endpoints="fallback",
                        dial_hedge_delay=HEDGE, health_timeout=DIAL_TIMEOUT,
-                       health_interval=30, prober=always_up)
+                       health_interval=CHECKS_OFF, prober=always_up)
         app._on_discovered([h1, h2])  # what the watcher hands over
         assert app.registry.snapshot().get(str(static.endpoint)).fallback
+        _first_checks_done(app, [h1, h2, static.endpoint])
         background: list[threading.Thread] = []
         results: list[tuple[float, str | None]] = []
         t0 = time.monotonic()
@@ -122,10 +136,11 @@ def test_a_hedge_avoids_stalled_upstreams_with_the_static_endpoints_always(
     with black_hole() as h1, black_hole() as h2:
         # A seeded pick, so the same sequence of first picks runs on every code.
         app = App(fast_config([h1, h2, static.endpoint], dial_hedge_delay=HEDGE,
-                              health_timeout=DIAL_TIMEOUT, health_interval=30),
+                              health_timeout=DIAL_TIMEOUT, health_interval=CHECKS_OFF),
                   prober=always_up, rng=random.Random(29))
         app.start()
         try:
+            _first_checks_done(app, [h1, h2, static.endpoint])
             background: list[threading.Thread] = []
             results: list[tuple[float, str | None]] = []
             t0 = time.monotonic()
@@ -149,7 +164,7 @@ def test_without_stalls_the_hedge_is_an_ordinary_pick_and_never_the_fallback(
     with black_hole() as hole:
         app = make_app([static.endpoint], static_endpoints="fallback",
                        dial_hedge_delay=HEDGE, health_timeout=DIAL_TIMEOUT,
-                       health_interval=30, prober=always_up)
+                       health_interval=CHECKS_OFF, prober=always_up)
         app._on_discovered([hole, *(u.endpoint for u in live)])
         names = [_timed(app.proxy_address)[1] for _ in range(20)]
         assert set(names) <= {"up1", "up2"}, names
@@ -165,8 +180,9 @@ def test_a_stall_is_remembered_after_the_stalled_dial_timed_out(
     with black_hole() as h1, black_hole() as h2:
         app = make_app([static.endpoint], static_endpoints="fallback",
                        dial_hedge_delay=HEDGE, health_timeout=timeout,
-                       health_interval=30, prober=always_up)
+                       health_interval=CHECKS_OFF, prober=always_up)
         app._on_discovered([h1, h2])
+        _first_checks_done(app, [h1, h2, static.endpoint])
         # The first client: a hole, the other hole as the hedge, both stall; when the
         # first times out, the fallback carries it.
         first = _timed(app.proxy_address)

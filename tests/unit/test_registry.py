@@ -590,20 +590,58 @@ def test_reserve_hedge_avoids_stalled_upstreams_then_takes_the_fallback() -> Non
     first = reg.reserve()
     assert first is not None and first.address in (A, B)
     other = B if first.address == A else A
-    first.stall()
+    reg.stall_dial(first)
+    reg.stall_dial(first)  # once per dial
+    assert reg._dial_stalls == 1
     hedge = reg.reserve_hedge(exclude={first.address})
     assert hedge is not None and hedge.address == other and not hedge.panic
-    hedge.stall()
+    reg.stall_dial(hedge)
     hedge.release()  # the dial timed out: the mark stays
     first.release()
     assert reg._ups[A].stalled and reg._ups[B].stalled and not reg._ups[C].stalled
+    assert [u.dial_stalled for u in reg.snapshot().upstreams] == [True, True, False]
     second = reg.reserve_hedge(exclude={A})  # B is pickable but stalled: the fallback
     assert second is not None and second.address == C and second.panic
     second.release()
     assert all(r.dialing == 0 for r in reg._ups.values())
     reg.record_probe(A, OK)  # a success clears the mark
     reg.record_dial(B, True)
-    assert not reg._ups[A].stalled and not reg._ups[B].stalled
+    assert not reg._ups[A].stalled and not reg._ups[B].stalled and reg._dial_stalls == 0
     third = reg.reserve_hedge(exclude={A})
     assert third is not None and third.address == B
     third.release()
+
+
+def test_new_connections_skip_upstreams_with_a_stalled_dial_while_another_is_left() -> None:
+    """Issue 29: like the stall check's suspects, an upstream whose dial stalled (no
+    success since) takes no new connection while another pickable one can; with every
+    one marked, the pick is as before; removing a marked upstream forgets its mark."""
+    reg = Registry(rng=random.Random(3))
+    reg.set_endpoints(EPS)
+    res = reg.reserve()
+    assert res is not None
+    marked = res.address
+    reg.stall_dial(res)
+    res.release()
+    picks = set()
+    for _ in range(60):
+        r = reg.reserve()
+        assert r is not None
+        picks.add(r.address)
+        r.release()
+    assert picks == {a for a in (A, B, C) if a != marked}
+    for _ in range(2):  # mark the other two as well: every one marked, all picked again
+        r = reg.reserve()
+        assert r is not None
+        reg.stall_dial(r)
+        r.release()
+    assert reg._dial_stalls == 3
+    picks = set()
+    for _ in range(60):
+        r = reg.reserve()
+        assert r is not None
+        picks.add(r.address)
+        r.release()
+    assert picks == {A, B, C}
+    reg.set_endpoints([e for e in EPS if str(e) != marked])
+    assert reg._dial_stalls == 2
