@@ -332,7 +332,9 @@ FLAGS: tuple[Flag, ...] = (
         "250ms",
         "When a dial to an upstream has not connected within this delay, dial a second "
         "pickable upstream too and keep the first to connect (the slower dial still runs to "
-        "its end and counts); 0 turns hedging off",
+        "its end and counts); the stalled upstream takes no new connection while another "
+        "can until something succeeds there, and with nothing else left the second dial "
+        "may go to a static fallback; 0 turns hedging off",
         checks=(NOT_NEGATIVE,),
         group="datapath",
     ),
@@ -379,7 +381,8 @@ FLAGS: tuple[Flag, ...] = (
         "choice",
         "always",
         "always: --endpoints are always upstreams; fallback: once discovery has produced a "
-        "list, static endpoints it lacks are kept only as a last resort (panic mode)",
+        "list, static endpoints it lacks are kept only as a last resort (panic mode, and "
+        "the hedge of a stalled dial when every discovered one stalls)",
         STATIC_ENDPOINT_MODES,
         group="upstreams",
     ),

@@ -10,10 +10,16 @@ Hedged dials (``--dial-hedge-delay``, beyond the spec; 0 turns them off): when a
 not completed within the hedge delay, a second one starts to another pickable upstream
 and the first to connect carries the connection, so a black-holed API server (SYNs
 unanswered) costs a client the hedge delay instead of the dial timeout. Never more than
-two dials are in flight per client connection. The losing dial is not abandoned: the
-reaper thread (``dial-reaper``) lets it run on within its dial timeout and records its
-outcome like any dial (connected: closed at once, a success; failed: toward the streak),
-so a black-holed upstream is excluded by the dials it swallows.
+two dials are in flight per client connection. A dial in flight past the hedge delay
+marks its upstream stalled until something succeeds there (Registry.stall_dial): new
+connections skip marked upstreams while another pickable one is left, and the hedge
+avoids them too, then takes a static fallback (Registry.reserve_hedge; docs/lifecycle.md,
+"When every address a node knows is gone"), so a fault that black-holes every
+discovered server sends new connections to the live static endpoint once the dead ones
+are marked. The losing dial is not abandoned: the reaper thread (``dial-reaper``) lets
+it run on within its dial timeout and records its outcome like any dial (connected:
+closed at once, a success; failed: toward the streak); a marked black hole then takes
+few dials, and its failed checks exclude it.
 
 Both dials of one connection are non-blocking connects the pipe thread waits on in one
 ``poll``; the reaper waits on every losing dial in one ``poll`` too, so hedging costs no
@@ -89,7 +95,8 @@ class Dial:
             err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if self.sock else 0
             exc = OSError(err, os.strerror(err)) if err else None
         self.drop()
-        self.dialer.record(self.res.address, exc, duration=self.elapsed())
+        self.dialer.record(self.res.address, exc, panic=self.res.panic,
+                           duration=self.elapsed())
 
 
 class Dialer:
@@ -304,7 +311,13 @@ class Dialer:
         while True:
             now = time.monotonic()
             if not dials or (hedge_at is not None and now >= hedge_at and len(dials) < 2):
-                res = self._registry.reserve(exclude=tried)
+                if dials:
+                    # A hedge: it avoids upstreams with stalled dials, or falls back to a
+                    # static fallback (Registry.reserve_hedge).
+                    self._stalls(dials, now)
+                    res = self._registry.reserve_hedge(exclude=tried)
+                else:
+                    res = self._registry.reserve(exclude=tried)
                 if res is None:
                     if not dials:
                         return self._panic_dial(tried)
@@ -331,9 +344,13 @@ class Dialer:
             wake = min(d.deadline for d in dials)
             if hedge_at is not None:
                 wake = min(wake, hedge_at)
+            for d in dials:  # and when a dial in flight stalls (the hedge's as well)
+                if not d.res.stalled:
+                    wake = min(wake, d.deadline - self._timeout + self._hedge)
             events = poller.poll(max(0, (wake - now) * 1000 + 1))
             ready = {fd for fd, _ in events}
             now = time.monotonic()
+            self._stalls(dials, now)
             for d in list(dials):
                 assert d.sock is not None
                 if d.sock.fileno() in ready:
@@ -350,6 +367,14 @@ class Dialer:
                     if len(dials) == 1:
                         hedge_at = now  # the other one is slow already: hedge at once
 
+    def _stalls(self, dials: list[Dial], now: float) -> None:
+        """Mark every dial in flight for the hedge delay or longer as stalled: its
+        upstream counts it until the dial ends, and hedges avoid it meanwhile (a black
+        hole's dials all stall, a live upstream's connect in a millisecond)."""
+        for d in dials:
+            if not d.res.stalled and now - (d.deadline - self._timeout) >= self._hedge:
+                self._registry.stall_dial(d.res)
+
     def _begin(self, d: Dial, poller: select.poll) -> bool:
         """Start connecting ``d`` (resolving a hostname first); True if it connected at
         once. On a failure of every address, d.sock stays None and the failure is
@@ -357,7 +382,7 @@ class Dialer:
         try:
             d.addrs = addresses(d.res.endpoint)
         except OSError as exc:
-            self.record(d.res.address, exc, duration=d.elapsed())
+            self.record(d.res.address, exc, panic=d.res.panic, duration=d.elapsed())
             return False
         return self._next_address(d, poller, None)
 
@@ -382,7 +407,7 @@ class Dialer:
             sock.close()
             last = OSError(err, os.strerror(err))
         self.record(d.res.address, last or OSError(f"no address for {d.res.endpoint}"),
-                    duration=d.elapsed())
+                    panic=d.res.panic, duration=d.elapsed())
         return False
 
     def _failed_address(self, d: Dial, poller: select.poll, exc: OSError) -> None:
@@ -399,7 +424,7 @@ class Dialer:
         assert d.sock is not None
         poller.unregister(d.sock.fileno())
         d.close()
-        self.record(d.res.address, exc, duration=d.elapsed())
+        self.record(d.res.address, exc, panic=d.res.panic, duration=d.elapsed())
 
     def _won(self, d: Dial, losers: list[Dial], poller: select.poll
              ) -> tuple[socket.socket, Reservation]:

@@ -16,7 +16,8 @@ endpoints only, as before),
 ``readiness``, ``ready_reason``, ``failures`` (current consecutive-failure streak),
 ``last_check_at``, ``last_check_error``, ``last_error_source`` (``probe`` or ``dial``),
 ``tier``, ``rtt_seconds``, ``active_connections``, ``total_connections``,
-``dials_in_flight`` (reservations held: picked, dial not yet attached or released), ``bytes_up``
+``dials_in_flight`` (reservations held: picked, dial not yet attached or released),
+``dial_stalled`` (a dial stalled past --dial-hedge-delay, no success since), ``bytes_up``
 (client to upstream), ``bytes_down``, ``answer_hedges`` (``won``/``lost``/``silent``:
 connections whose first answer was hedged, as extractedprism_answer_hedges_total),
 ``admin`` (the operator's action, its uid and time, or null); ``connection_share`` (its
@@ -101,6 +102,7 @@ def upstream_entry(u: UpstreamView, wall: _Clock, live: int = 0) -> dict[str, An
         "active_connections": u.active_connections,
         "total_connections": u.total_connections,
         "dials_in_flight": u.dials_in_flight,
+        "dial_stalled": u.dial_stalled,
         "bytes_up": u.bytes_up,
         "bytes_down": u.bytes_down,
         "answer_hedges": {o: dict(u.answer_hedges).get(o, 0) for o in ("won", "lost", "silent")},

@@ -58,6 +58,11 @@ class Record:
     # not counted in the totals until they carry bytes or end answered.
     judging: set[int] = field(default_factory=set)
     dialing: int = 0  # picked, dial in progress: counts for least-conn
+    # A dial to it has been in flight past --dial-hedge-delay and nothing has succeeded
+    # there since (Registry.stall_dial sets it, a check's or a dial's success clears it):
+    # picks and hedges avoid it while another is left (Registry._choose_locked,
+    # reserve_hedge, selection.hedge_last_resort).
+    stalled: bool = False
     drain_deadline: float | None = None
     unready_deadline: float | None = None
     last_success: float = 0.0
@@ -140,7 +145,7 @@ class Record:
             stalls=stalls, stalled_connections=stalled_connections,
             stall_checks=tuple(sorted(self.stall_checks.items())),
             answer_hedges=tuple(sorted(self.answer_hedges.items())),
-            dials_in_flight=self.dialing)
+            dials_in_flight=self.dialing, dial_stalled=self.stalled)
 
 
 def spread(ids: list[int], now: float, over: float) -> list[tuple[float, int]]:

@@ -22,7 +22,9 @@ of the operator actions in :mod:`extractedprism.upstreams.actions`; this module 
 needs the lock: the address -> record dict, live connections, the counters, the drain
 and readiness deadlines and the panic flag. Fields guarded by
 ``self.lock``: ``_ups`` (and everything in each record), ``_panic``, ``_conn_count``,
-``_connections_total``, ``_closing``, ``_rebalance`` (the rounds' record), ``_ramping``.
+``_connections_total``, ``_closing``, ``_rebalance`` (the rounds' record), ``_ramping``,
+``_dial_stalls`` (the records marked by :meth:`stall_dial`, counted so a pick skips the
+scan while none is).
 The stall check's rules (``--stall-timeout``) live here too, each once: when a stall asks
 for a check (:meth:`_stalls_locked`: a checked upstream that is not excluded, at most once
 per stall timeout), how its result counts (:meth:`record_probe` with ``stall=True``:
@@ -60,7 +62,13 @@ from extractedprism.upstreams.records import (
 )
 from extractedprism.upstreams.reservation import Reservation
 from extractedprism.upstreams.roles import Roles
-from extractedprism.upstreams.selection import Candidate, choose, eligible, pick
+from extractedprism.upstreams.selection import (
+    Candidate,
+    choose,
+    eligible,
+    hedge_last_resort,
+    pick,
+)
 from extractedprism.upstreams.snapshot import (
     AdminMark,
     AdminOutcome,
@@ -135,6 +143,10 @@ class Registry:
         # Upstreams with a stalled connection at the last sample: new connections go
         # elsewhere while another eligible upstream has none (_choose_locked).
         self._suspect: frozenset[str] = frozenset()
+        # How many records carry a dial stall (Record.stalled: a dial past
+        # --dial-hedge-delay, no success since; stall_dial() sets it, a success clears
+        # it): while any does, picks skip them like the stall check's suspects.
+        self._dial_stalls = 0
 
     def _run(self, fx: Effects) -> None:
         fx.run(log, self._on_change)
@@ -210,6 +222,7 @@ class Registry:
 
     def _remove_locked(self, addr: str) -> list[Tracked]:
         rec = self._ups.pop(addr)
+        self._clear_stall_locked(rec)
         if rec.judging:  # the ones carrying bytes are counted before the record goes
             self._settle_record_locked(rec)
         self._latency.remove(addr)
@@ -239,6 +252,52 @@ class Registry:
             else:
                 alone = self._pickable <= 1  # counted with the eligible list
             return Reservation(self.lock, rec, addr, alone=alone)
+
+    def reserve_hedge(self, exclude: Iterable[str]) -> Reservation | None:
+        """Pick and count the hedge of a connection whose dial in flight has stalled
+        (Dialer): an ordinary pick among the pickable upstreams not in ``exclude`` that
+        are not marked stalled; if none is left, :func:`hedge_last_resort` (a static
+        fallback, or a stalled one). None when nothing is left at all."""
+        skip = set(exclude)
+        with self.lock:
+            stalled = {a for a, r in self._ups.items() if r.stalled}
+            addr = self._choose_locked(skip | stalled)
+            if addr is None:
+                addr = hedge_last_resort(
+                    [Candidate(address=a, healthy=r.state.healthy, draining=r.state.draining,
+                               fallback=r.state.fallback,
+                               ready=r.state.readiness is Readiness.READY, tier=None,
+                               active=len(r.conns) + r.dialing,
+                               admin_drained=r.state.admin_drained, stalled=r.stalled,
+                               last_success=r.last_success)
+                     for a, r in self._ups.items()],
+                    readyz=self._readyz, exclude=skip)
+                if addr is None:
+                    return None
+            rec = self._ups[addr]
+            rec.dialing += 1
+            alone = not any(r.state.pickable and a != addr and a not in skip
+                            for a, r in self._ups.items())
+            return Reservation(self.lock, rec, addr, alone=alone,
+                               panic=rec.state.fallback)
+
+    def stall_dial(self, res: Reservation) -> None:
+        """``res``'s dial has been in flight past --dial-hedge-delay (the Dialer says so,
+        once per dial): its upstream is marked stalled until something succeeds there.
+        New connections and hedges avoid marked upstreams while another is left."""
+        with self.lock:
+            if res.stalled or not res.held:
+                return
+            res.stalled = True
+            rec = self._ups.get(res.address)
+            if rec is not None and not rec.stalled:
+                rec.stalled = True
+                self._dial_stalls += 1
+
+    def _clear_stall_locked(self, rec: Record) -> None:
+        if rec.stalled:
+            rec.stalled = False
+            self._dial_stalls -= 1
 
     def reserve_endpoint(self, endpoint: Endpoint) -> Reservation | None:
         """Count a dial to ``endpoint`` chosen by panic mode; None if no longer known."""
@@ -277,11 +336,15 @@ class Registry:
             self._pickable = sum(1 for c in candidates if sm.pickable(c))
         self._pool_key = key  # also when equal: the next comparison is by identity again
         pool = self._pool
-        if self._suspect and len(pool) > 1:
+        if (self._suspect or self._dial_stalls) and len(pool) > 1:
             # The stall check's suspects take no new connection while another can: a
             # request hanging there says new ones would too, until a check decides (the
-            # leastconn effect of a server piling up hung connections, per node).
-            pool = [a for a in pool if a not in self._suspect] or pool
+            # leastconn effect of a server piling up hung connections, per node). So do
+            # upstreams whose dial stalled with no success since (a black hole's dials
+            # all stall): new connections reach a live one without first waiting out a
+            # dead one's hedge delay, until the failures exclude it.
+            suspect = self._suspect
+            pool = [a for a in pool if a not in suspect and not ups[a].stalled] or pool
         if self._ramping and len(pool) > 1:
             return self._pick_weighted_locked(pool)
         if self._selection == "least-conn" and len(pool) > 1:
@@ -458,6 +521,7 @@ class Registry:
             rec.last_check_at = now
             if result.ok:
                 rec.last_success = now
+                self._clear_stall_locked(rec)
                 if self._latency_mode and result.rtt is not None:
                     self._latency.observe(addr, result.rtt)
             before = rec.state
@@ -512,6 +576,7 @@ class Registry:
             return None
         if ok:
             rec.last_success = self._clock()
+            self._clear_stall_locked(rec)
             if not sm.dial_success_changes(rec.state):
                 return None  # nearly every connection: on_dial would change nothing
         state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)

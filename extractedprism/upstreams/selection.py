@@ -40,6 +40,9 @@ class Candidate:
     active: int  # live connections
     fallback: bool = False  # --static-endpoints=fallback demoted it: panic mode only
     admin_drained: bool = False  # an operator's drain or close: no new connections
+    # Only the hedge's last resort (:func:`hedge_last_resort`) reads these two.
+    stalled: bool = False  # a dial stalled past --dial-hedge-delay, no success since
+    last_success: float = 0.0  # its latest successful check or dial (registry clock)
 
 
 def eligible(candidates: Sequence[Candidate], *, mode: str, readyz: bool,
@@ -75,6 +78,30 @@ def pick(addresses: Sequence[str], *, rng: random.Random,
     if len(addresses) <= 1:
         return addresses[0] if addresses else None
     return addresses[rng.randrange(len(addresses))]
+
+
+def hedge_last_resort(candidates: Sequence[Candidate], *, readyz: bool,
+                      exclude: Collection[str] = ()) -> str | None:
+    """Where a hedge goes when no pickable upstream without a stalled dial is left (the
+    registry tries those first, as an ordinary pick): among the healthy upstreams not
+    excluded, not draining and not drained by an operator, a static fallback
+    (``--static-endpoints=fallback``) included, those without a stalled dial first, then
+    ready ones (readyz), then the most recently successful; None when there is none.
+
+    A black hole's dials stay in flight until the dial timeout, so every dial to it
+    stalls and nothing clears the mark: after a fault that black-holes the discovered
+    servers, this sends the hedge to the one upstream still answering (the static
+    endpoint) instead of to another stalled one, long before the failures or the probes
+    exclude them."""
+    best: Candidate | None = None
+    best_key: tuple[bool, bool, float] | None = None
+    for c in candidates:
+        if (c.address in exclude or not c.healthy or c.draining or c.admin_drained):
+            continue
+        key = (c.stalled, readyz and not c.ready, -c.last_success)
+        if best_key is None or key < best_key:
+            best, best_key = c, key
+    return None if best is None else best.address
 
 
 def choose(candidates: Sequence[Candidate], *, mode: str, readyz: bool, rng: random.Random,

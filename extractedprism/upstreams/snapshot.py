@@ -109,6 +109,9 @@ class UpstreamView:
     # Picked and dialing: reservations held (least-conn counts them). Each ends at attach
     # or release, so a count that never returns to 0 is a leaked reservation.
     dials_in_flight: int = 0
+    # A dial to it stalled past --dial-hedge-delay and nothing succeeded there since:
+    # hedges avoid it (Registry.reserve_hedge).
+    dial_stalled: bool = False
 
     @property
     def admin_drained(self) -> bool:

@@ -518,12 +518,20 @@ class Proxy:
 def start_proxy(cp: Any, workdir: Path, *, interval: float, timeout: float,
                 endpoints: list[str] | None = None, drain: str = "30s",
                 discovery: bool = True, readyz: bool = True, extra: list[str] | None = None,
-                name: str = "ep") -> Proxy:
+                name: str = "ep", hosts: Path | None = None,
+                root: Path | None = None) -> Proxy:
     """Start extractedprism on 127.0.0.1 (free ports) in front of the run ``cp``.
 
     Discovery goes through the proxy's own listener, verified as kubernetes.default.svc,
     with the RBAC the chart grants (get/list/watch EndpointSlices); the readyz probe
     verifies the serving certificates against the run's CA.
+
+    ``hosts``: a hosts file the proxy resolves names with instead of the machine's
+    /etc/hosts, bind-mounted over it in a private mount namespace of the proxy's own
+    (the machine's file is never touched). The resolver reads it on every lookup, so a
+    test that rewrites it in place (same inode) moves a name, as a DNS change would.
+    ``root``: run the extractedprism of another checkout (a before/after comparison in
+    one run); default this one.
     """
     from tests.util import PYTHON, ROOT, start_on_free_ports
 
@@ -548,10 +556,15 @@ def start_proxy(cp: Any, workdir: Path, *, interval: float, timeout: float,
         args += extra or []
         holder["args"] = args
         env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
+        argv = [PYTHON, "-m", "extractedprism", *args]
+        if hosts is not None:
+            # unshare and sh exec: the pid is the proxy's own (SIGTERM reaches it).
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *argv]
         with open(log_path, "ab") as logf:  # the child keeps its own descriptor
-            return subprocess.Popen([PYTHON, "-m", "extractedprism", *args], stdout=logf,
+            return subprocess.Popen(argv, stdout=logf,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, cwd=ROOT)
+                                    env=env, cwd=root or ROOT)
 
     def ready(ports: list[int]) -> bool:
         return http_status(f"http://127.0.0.1:{ports[1]}/healthz") == 200

@@ -26,9 +26,9 @@ UPSTREAM_KEYS = {
     "address", "source", "state", "since", "healthy", "draining", "draining_reason",
     "close_deadline", "ready", "readiness", "ready_reason", "failures", "last_check_at",
     "last_check_error", "last_error_source", "tier", "rtt_seconds", "active_connections",
-    "total_connections", "dials_in_flight", "bytes_up", "bytes_down", "answer_hedges",
-    "admin", "connection_share", "fair_share", "weight", "rebalance_closes", "stalls",
-    "stalled_connections", "stall_checks",
+    "total_connections", "dials_in_flight", "dial_stalled", "bytes_up", "bytes_down",
+    "answer_hedges", "admin", "connection_share", "fair_share", "weight",
+    "rebalance_closes", "stalls", "stalled_connections", "stall_checks",
 }
 
 

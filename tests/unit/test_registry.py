@@ -572,3 +572,76 @@ def test_a_dead_upstreams_close_deadline_does_not_keep_moving_forward():
         assert reg.snapshot().get(A).close_deadline is None  # nothing left to close
         clock.now += 5.1
         reg.tick()
+
+
+def test_reserve_hedge_avoids_stalled_upstreams_then_takes_the_fallback() -> None:
+    """Issue 29: a hedge skips upstreams marked stalled while a pickable one without the
+    mark is left, then goes to a static fallback; the mark stays after the dial ends
+    and goes with the next success (a check or a dial)."""
+    from extractedprism.upstreams.roles import Roles
+
+    reg = Registry(rng=random.Random(0))
+    reg.set_endpoints(EPS, Roles(sources={A: ("kubernetes",), B: ("kubernetes",),
+                                          C: ("static",)}, fallback=frozenset({C})))
+    # Nothing stalled: an ordinary pick, never the fallback while a discovered one is left.
+    plain = reg.reserve_hedge(exclude={A})
+    assert plain is not None and plain.address == B and not plain.panic
+    plain.release()
+    first = reg.reserve()
+    assert first is not None and first.address in (A, B)
+    other = B if first.address == A else A
+    reg.stall_dial(first)
+    reg.stall_dial(first)  # once per dial
+    assert reg._dial_stalls == 1
+    hedge = reg.reserve_hedge(exclude={first.address})
+    assert hedge is not None and hedge.address == other and not hedge.panic
+    reg.stall_dial(hedge)
+    hedge.release()  # the dial timed out: the mark stays
+    first.release()
+    assert reg._ups[A].stalled and reg._ups[B].stalled and not reg._ups[C].stalled
+    assert [u.dial_stalled for u in reg.snapshot().upstreams] == [True, True, False]
+    second = reg.reserve_hedge(exclude={A})  # B is pickable but stalled: the fallback
+    assert second is not None and second.address == C and second.panic
+    second.release()
+    assert all(r.dialing == 0 for r in reg._ups.values())
+    reg.record_probe(A, OK)  # a success clears the mark
+    reg.record_dial(B, True)
+    assert not reg._ups[A].stalled and not reg._ups[B].stalled and reg._dial_stalls == 0
+    third = reg.reserve_hedge(exclude={A})
+    assert third is not None and third.address == B
+    third.release()
+
+
+def test_new_connections_skip_upstreams_with_a_stalled_dial_while_another_is_left() -> None:
+    """Issue 29: like the stall check's suspects, an upstream whose dial stalled (no
+    success since) takes no new connection while another pickable one can; with every
+    one marked, the pick is as before; removing a marked upstream forgets its mark."""
+    reg = Registry(rng=random.Random(3))
+    reg.set_endpoints(EPS)
+    res = reg.reserve()
+    assert res is not None
+    marked = res.address
+    reg.stall_dial(res)
+    res.release()
+    picks = set()
+    for _ in range(60):
+        r = reg.reserve()
+        assert r is not None
+        picks.add(r.address)
+        r.release()
+    assert picks == {a for a in (A, B, C) if a != marked}
+    for _ in range(2):  # mark the other two as well: every one marked, all picked again
+        r = reg.reserve()
+        assert r is not None
+        reg.stall_dial(r)
+        r.release()
+    assert reg._dial_stalls == 3
+    picks = set()
+    for _ in range(60):
+        r = reg.reserve()
+        assert r is not None
+        picks.add(r.address)
+        r.release()
+    assert picks == {A, B, C}
+    reg.set_endpoints([e for e in EPS if str(e) != marked])
+    assert reg._dial_stalls == 2

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extractedprism.config.table import SELECTION_MODES as MODES
-from extractedprism.upstreams.selection import Candidate, choose
+from extractedprism.upstreams.selection import Candidate, choose, hedge_last_resort
 
 
 def c(address: str, *, healthy: bool = True, draining: bool = False, ready: bool = True,
@@ -167,3 +167,41 @@ def test_properties(cands: list[Candidate], mode: str, readyz: bool, exclude: se
         assert chosen.tier == min(x.tier for x in considered if x.tier is not None)
     if mode == "least-conn":
         assert chosen.active == min(x.active for x in considered)
+
+
+# -- the hedge's last resort (issue 29): where a hedge goes when no pickable upstream
+# without a stalled dial is left ---------------------------------------------------------
+
+
+def h(address: str, *, stalled: bool = False, last: float = 0.0, fallback: bool = False,
+      healthy: bool = True, ready: bool = True, draining: bool = False,
+      admin: bool = False) -> Candidate:
+    return Candidate(address, healthy, draining, ready, None, 0, fallback=fallback,
+                     admin_drained=admin, stalled=stalled, last_success=last)
+
+
+HEDGE_TABLE = [
+    # (candidates, readyz, exclude, expected)
+    ([], False, (), None),
+    # a static fallback without a stalled dial beats stalled discovered ones, however
+    # fresh their last success
+    ([h("d1", stalled=True, last=9), h("d2", stalled=True, last=8), h("s", fallback=True, last=1)],
+     False, (), "s"),
+    # every one stalled: the most recently successful
+    ([h("d1", stalled=True, last=5), h("d2", stalled=True, last=7)], False, (), "d2"),
+    # readyz: a ready one first among those without a stall
+    ([h("u", ready=False, last=9), h("r", last=1)], True, (), "r"),
+    # readiness does not count without readyz
+    ([h("u", ready=False, last=9), h("r", last=1)], False, (), "u"),
+    # never an unhealthy, draining or operator-drained one, nor one already tried
+    ([h("x", healthy=False), h("y", draining=True), h("z", admin=True), h("t")],
+     False, ("t",), None),
+    ([h("x", healthy=False, last=9), h("f", fallback=True, stalled=True, last=1)],
+     False, (), "f"),
+]
+
+
+@pytest.mark.parametrize(("cands", "readyz", "exclude", "want"), HEDGE_TABLE)
+def test_hedge_last_resort(cands: list[Candidate], readyz: bool, exclude: tuple[str, ...],
+                           want: str | None) -> None:
+    assert hedge_last_resort(cands, readyz=readyz, exclude=exclude) == want

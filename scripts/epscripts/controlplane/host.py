@@ -13,14 +13,17 @@ from pathlib import Path
 from epscripts.controlplane import build as cpbuild
 
 APISERVERS = ("api1", "api2", "api3")
-# A fourth API server a run can add and remove (scale-out/in, scripts/chaos): its address
-# is reserved and in the serving certificate from the start, its namespace is made only
-# by ControlPlane.add_apiserver, and it is never in APISERVERS (the static --endpoints).
-SPARE_APISERVERS = ("api4",)
+# API servers a run can add and remove (api4: scale-out/in, scripts/chaos; api5-api7: a
+# whole control plane on new addresses, tests/controlplane/test_stale_membership.py):
+# their addresses are reserved and in the serving certificate from the start, their
+# namespaces are made only by ControlPlane.add_apiserver, and they are never in
+# APISERVERS (the static --endpoints).
+SPARE_APISERVERS = ("api4", "api5", "api6", "api7")
 PORT = 6443
 ETCD_PORT = 2379
 SUBNET_POOL = [ipaddress.ip_network(f"192.168.{n}.0/24") for n in range(200, 255)]
-HOST_INDEX = {"bridge": 1, "etcd": 10, "api1": 11, "api2": 12, "api3": 13, "api4": 14}
+HOST_INDEX = {"bridge": 1, "etcd": 10, "api1": 11, "api2": 12, "api3": 13, "api4": 14,
+              "api5": 15, "api6": 16, "api7": 17}
 DEAD_MAC = "02:00:00:00:de:ad"  # locally administered; no interface has it
 SERVER_NAME = "kubernetes.default.svc"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
