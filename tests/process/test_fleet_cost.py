@@ -261,3 +261,81 @@ def test_a_3_node_page_with_a_quiet_cell_shows_it_as_cost_not_as_a_fault(tmp_pat
     assert "### At rest: what each balancer costs the control plane" in text
     assert "| target, extractedprism as shipped | scale-out | kill -9 |" in text
     assert "quiet" not in text.split("## Targets")[1].split("## Results")[0]
+
+
+def test_which_balancer_takes_which_fault() -> None:
+    faults = list(compare.FAULTS)
+    assert compare.faults_for("extractedprism", faults) == faults
+    # Only extractedprism hands its listeners over; the variants keep their own faults.
+    assert compare.faults_for("haproxy", faults) == [f for f in faults if f != "upgrade"]
+    assert compare.faults_for("extractedprism-spec", faults) == ["quiet"]
+    assert compare.faults_for("extractedprism-stall", faults) == ["stop", "partition"]
+    assert compare.faults_for("nginx", faults, {"nginx"}) == ["quiet"]
+    assert compare.faults_for("nginx", ["rolling"], {"nginx"}) == []
+
+
+def _fault_row(fault: str, **kw: object) -> dict:
+    row = {"fault": fault, "lb": "extractedprism", "target": "api2", "not_ready": {},
+           "lease_gaps_s": {"n1": 10.4}, "lease_gap_max_s": 10.4, "kubelet_failed": {"n1": 0},
+           "kubelet_codes_delta": {}, "watch": {"n1": {
+               "gap_max_s": 1.1, "lost": 0, "requests_failed": 0, "request_gap_max_s": 1.0,
+               "reconnects": 0, "relists": 0, "events_due": 60, "request_errors": {}}},
+           "connections_after": {"api1": 5, "api2": 5, "api3": 5}, "skew_after": 1.0,
+           "kubelet_apis_before": {"n1": ["api2"]}, "kubelet_apis_after": {"n1": ["api1"]},
+           "nodes": 20, "lb_rss_mib": {"n1": 31.0}, "lb_cpu_s": {"n1": 1.0},
+           "fault_window_s": 65.0, "load": {"mean": 4.0, "max": 5.0}, "writer_failures": 0,
+           "notes": [], "connections_series": []}
+    row.update(kw)
+    return row
+
+
+def test_stampede_on_the_survivors_and_the_upgrade_targets() -> None:
+    stop = _fault_row("stop", server_cpu={
+        "api1": {"before_pct": 10.0, "during_pct": 30.0, "peak_pct": 55.0},
+        "api2": {"before_pct": 10.0, "during_pct": 0.0, "peak_pct": 0.0},
+        "api3": {"before_pct": 12.0, "during_pct": 20.0, "peak_pct": 40.0},
+        "etcd": {"before_pct": 5.0, "during_pct": 6.0, "peak_pct": 9.0}},
+        requests_per_s={a: {"kubelets+control plane": 4.0, "probes": 2.0}
+                        for a in ("api1", "api2", "api3")})
+    assert compare_doc.survivors_cpu(stop) == "22 / 50 (55)"  # api2 and etcd left out
+    assert compare_doc.survivors_requests(stop) == "8.0; 4.0"
+    up = _fault_row("upgrade", target="every balancer", kubelet_failed={"n1": 1},
+                    upgrade={"took_s": {"n1": 0.8, "n2": None}, "not_taken": ["n2"],
+                             "killed": [], "roll_s": 9.0})
+    doc = _fleet_doc([stop, up], faults=["stop", "upgrade"], lbs=["extractedprism"], nodes=20)
+    text = compare_doc.render_fleet(doc)
+    assert "| survivors' CPU together, % of a core: before / during (highest 5 s of one) " \
+           "| 22 / 50 (55) |" in text
+    # No peer hands its listeners over: the upgrade's bounds are absolute (0 failures).
+    assert "| no kubelet request failed while every balancer was replaced |  | 1: **missed** |" \
+        in text
+    # The freeze without a peer in this run: shown, not judged.
+    assert "| request-loop failures no more than the best peer's " \
+           "| 0 (≤ best peer (no peer measured)) | 0: met |" in text
+    assert "| new instances that took the listeners over | 1 of 2 |" in text
+
+
+def test_upgrade_surge_is_one_node_in_a_small_fleet_five_percent_in_a_large() -> None:
+    assert [compare.upgrade_surge(n) for n in (1, 3, 10, 39, 40, 100)] == [1, 1, 1, 1, 2, 5]
+
+
+def test_scale_model_projects_per_node_costs_against_the_baseline() -> None:
+    from epscripts.fleet import scale
+
+    ours, base = _quiet_row("extractedprism", 20.0), _quiet_row("nginx", 0.0)
+    base["cost"]["servers"] = {"api1": {"cpu_pct": 10.0}, "api2": {"cpu_pct": 5.0},
+                               "api3": None, "etcd": {"cpu_pct": 1.0}}
+    c = scale.per_node(ours, base)  # 2 nodes: API servers 20 + 10 %, etcd 2 %
+    assert c["probes_per_s"] == pytest.approx(20.0)  # 20/s on each of 2 servers, 2 nodes
+    assert c["connections"] == pytest.approx(3.0) and c["watches"] == pytest.approx(5.0)
+    assert c["api_cpu_added_cores"] == pytest.approx((0.30 - 0.15) / 2)
+    p = scale.project(c, 600, servers=3)
+    assert p["probes_per_s"] == pytest.approx(20.0 * 200)
+    assert p["api_cpu_added_cores"] == pytest.approx(0.075 * 200)
+    assert p["lb_rss_gib_fleet"] == pytest.approx(30.5 * 600 / 1024)
+    # 5,000 nodes at 1.5 ms a probe within 0.25 cores: 30 s; a small fleet: the floor.
+    assert scale.interval_for(5000, 3, 0.0015, 0.25) == pytest.approx(30.0)
+    assert scale.interval_for(100, 3, 0.0015, 0.25) == 5.0
+    text = scale.markdown(_fleet_doc([ours, base], lbs=["extractedprism", "nginx"]))
+    assert "| probes/s (to all API servers) | 20.000 | 0.000 |" in text
+    assert "At 5,000 nodes, per API server (3 API servers):" in text

@@ -42,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,19 @@ from epscripts.fleet.nodes import (
     repo_root,
 )
 
-FAULTS = ("scaleout", "quiet", "kill", "stop", "partition", "rolling")
+FAULTS = ("scaleout", "quiet", "kill", "stop", "partition", "rolling", "upgrade")
+# Faults only some kinds can take: the fleet-wide upgrade hands the listeners over, which
+# only extractedprism does (--handover-socket).
+KIND_FAULTS = {"upgrade": ("extractedprism",)}
+# For the upgrade, extractedprism runs as the chart's DaemonSet does (chart values
+# handoverSocket, shutdownDrainTimeout; each pod its own admin socket): the successor takes
+# the listeners over, then the old instance gets SIGTERM and closes its connections spread
+# over the drain. {node_dir}: the node's own directory (balancers.NODE_DIR).
+UPGRADE_FLAGS = [f"--handover-socket={balancers.NODE_DIR}/extractedprism.handover",
+                 "--shutdown-drain-timeout=30s"]
+UPGRADE_PACE_S = 2.0  # between one node's handover and the next node's
+HANDOVER_TIMEOUT = 20.0  # the successor logs that it took the listeners over
+PROXY_EXIT_TIMEOUT = 30.0 + 20.0  # the old instance's exit after SIGTERM: drain + shutdown
 # extractedprism as the chart ships it: the production profile, read from its one
 # definition in the product (PROFILE_MODULE), never typed here, on top of what the fleet
 # always passes (docs/fleet.md: the static pod's command line with readyz and the node's
@@ -165,6 +178,15 @@ def read_profile(ep_cmd: list[str]) -> tuple[list[str], str]:
     _log(f"this extractedprism has no `profile` command: using PROFILE_FALLBACK {PROFILE_FALLBACK}")
     return list(PROFILE_FALLBACK), "PROFILE_FALLBACK in scripts/epscripts/fleet/compare.py " \
         "(the product had no profile command)"
+
+
+def faults_for(lb: str, faults: list[str], quiet_only: set[str] = frozenset()) -> list[str]:
+    """The faults of ``faults`` that ``lb`` (a name of LBS) is measured for: its variant's
+    own, those its kind can take (KIND_FAULTS), only the quiet cell if in ``quiet_only``."""
+    kind, _, own = LBS[lb]
+    return [f for f in faults if (own is None or f in own)
+            and (lb not in quiet_only or f == "quiet")
+            and kind in KIND_FAULTS.get(f, (kind,))]
 
 
 def lb_extra(lb: str, profile: list[str]) -> list[str]:
@@ -380,8 +402,10 @@ class Cell:
     """One fault through one balancer: set up, run, measure, always clean up."""
 
     def __init__(self, cp: Any, fleet: Fleet, fault: str, kubectl: str, lb: str,
-                 settle_after_s: float, client_nodes: int = CLIENT_NODES) -> None:
+                 settle_after_s: float, client_nodes: int = CLIENT_NODES,
+                 ep_cmd: list[str] | None = None) -> None:
         self.cp, self.fleet, self.fault, self.kubectl = cp, fleet, fault, kubectl
+        self.ep_cmd = ep_cmd or default_ep_cmd()
         self.lb = lb  # the name in the results (a fleet kind, or a variant of one)
         self.settle_after_s = settle_after_s  # watched after the roll / scale-out
         self.notes: list[str] = []
@@ -393,6 +417,7 @@ class Cell:
         # CPU seconds of each API server and etcd (/proc), sampled with the connections.
         self.cpu_series: list[tuple[float, dict[str, float | None]]] = []
         self.t_ready = 0.0  # roll / scale-out: when the last server was ready
+        self.upgrade: dict[str, Any] | None = None  # the fleet-wide upgrade's own figures
 
     def _avoid(self, apis: set[str]) -> None:
         self.sampler.avoid = set(apis)
@@ -537,6 +562,7 @@ class Cell:
             "time_to_skew_s": (time_to_skew(series, ready_rel, SKEW_TARGET)
                                if ready_rel is not None else None),
             "client_nodes": self.clients,
+            "upgrade": self.upgrade,
             # The control plane over the fault: each server's requests/s by kind (its own
             # counters; a restarted server's count from its start) and its CPU over 5 s
             # steps (the stampede on the survivors: peak against before the fault).
@@ -564,9 +590,66 @@ class Cell:
 
     # -- the faults --
 
+    def _upgrade(self, t0: float) -> str:
+        """Every node's balancer replaced, one node after another on each of
+        upgrade_surge(N) lanes (a DaemonSet's maxSurge), UPGRADE_PACE_S between two nodes
+        of a lane, the old instances draining meanwhile; watched until the last old one
+        exited plus AFTER_S."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        fleet = self.fleet
+        if fleet.state["lb"] != "extractedprism":
+            raise FleetError("upgrade: only extractedprism hands its listeners over")
+        olds: list[tuple[str, Any, int | None, float]] = []
+        took: dict[str, float | None] = {}
+        gen = 1 + max((int(m.group(1)) for n in fleet.nodes
+                       for a in fleet.state["nodes"][n].get("lb_extra", [])
+                       if (m := re.search(r"extractedprism-u(\d+)\.admin", a))), default=0)
+        lanes = upgrade_surge(len(fleet.nodes))
+
+        def lane(nodes: list[str]) -> None:
+            for node in nodes:
+                old, old_pid, took[node] = _upgrade_node(self, node, gen)
+                olds.append((node, old, old_pid, time.time()))
+                time.sleep(UPGRADE_PACE_S)
+
+        with ThreadPoolExecutor(lanes, thread_name_prefix="compare-upgrade-lane") as ex:
+            for f in [ex.submit(lane, fleet.nodes[i::lanes]) for i in range(lanes)]:
+                f.result()
+        fleet.check_alive()
+        t_last = time.time()
+        exited: list[float] = []
+        killed = []
+        for node, old, old_pid, t_term in olds:
+            if old is None:
+                continue
+            try:
+                old.wait(max(1.0, t_term + PROXY_EXIT_TIMEOUT - time.time()))
+                exited.append(time.time() - t_term)  # an upper bound: waited in turn
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(old_pid, signal.SIGKILL)
+                old.wait(10)
+                killed.append(node)
+        failed = sorted(n for n, v in took.items() if v is None)
+        ok = sorted(v for v in took.values() if v is not None)
+        self.notes.append(
+            f"{len(ok)} of {len(took)} new instances took the listeners over"
+            + (f" (median {ok[len(ok) // 2]:.2f} s, max {ok[-1]:.2f} s after start)" if ok else "")
+            + (f"; NOT: {', '.join(failed)}" if failed else "")
+            + f"; the roll took {t_last - t0:.0f} s on {lanes} lane(s)"
+            + (f"; old instances gone within {max(exited):.0f} s of SIGTERM" if exited else "")
+            + (f"; SIGKILL after {PROXY_EXIT_TIMEOUT:g} s: {', '.join(killed)}" if killed else ""))
+        self.upgrade = {"took_s": took, "not_taken": failed, "killed": killed,
+                        "roll_s": round(t_last - t0, 1), "lanes": lanes}
+        self._sleep_until(max(t0 + WATCH_MIN, time.time() + AFTER_S))
+        return "every balancer"
+
     def _fault(self, kubelet_apis: dict[str, list[str]], watch_apis: dict[str, list[str]],
                t0: float) -> str:
         cp = self.cp
+        if self.fault == "upgrade":
+            return self._upgrade(t0)
         if self.fault == "scaleout":
             cp.start("api3", cp.extra_args("api3"))
             took = cp.wait_ready(["api3"], timeout=READY_TIMEOUT)
@@ -802,6 +885,48 @@ class QuietCell:
         }
 
 
+_FLEET_STATE = threading.Lock()
+
+
+def upgrade_surge(n: int) -> int:
+    """Nodes upgraded at the same time (the DaemonSet's maxSurge): 1 in a small fleet (the
+    chart's maxSurge: 1), 5 % of a large one, so 100 nodes take minutes, not half an hour."""
+    return max(1, n // 20)
+
+
+def _upgrade_node(cell: Cell, node: str, gen: int) -> tuple[Any, int | None, float | None]:
+    """One node's balancer replaced as the chart's DaemonSet roll replaces it: the new
+    instance (its own admin socket) takes the listeners over through the handover socket,
+    then the old one gets SIGTERM. Returns (the old one's Popen, its pid, seconds until
+    the new one took over; None: it did not)."""
+    cp, fleet = cell.cp, cell.fleet
+    name = f"lb-{node}"
+    old_pid = cp.pid(name)
+    old = cp._children.get(name)  # our Popen of it: reaped by the caller
+    log_path = Path(cp.dir) / f"{name}.log"
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    extra = [a for a in fleet.state["nodes"][node].get("lb_extra", [])
+             if not a.startswith("--admin-socket=")]
+    extra.append(f"--admin-socket={balancers.NODE_DIR}/extractedprism-u{gen}.admin")
+    t = time.time()
+    with _FLEET_STATE:  # the fleet's and the plane's state are written by one lane at a time
+        fleet.start_balancer(node, "extractedprism", cell.ep_cmd, None,
+                             fleet._node_files(node, extra))
+    took = None
+    deadline = time.monotonic() + HANDOVER_TIMEOUT
+    while time.monotonic() < deadline and cp.pid(name) is not None:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            if b"took over listeners" in f.read():
+                took = time.time() - t
+                break
+        time.sleep(0.1)
+    if old_pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(old_pid, signal.SIGTERM)
+    return old, old_pid, took
+
+
 def fleet_api(cp: Any) -> str:
     return next(a for a in cphost.APISERVERS if cp.pid(a) is not None)
 
@@ -878,7 +1003,7 @@ def run_balancer(lb: str, faults: list[str], nodes: int, ep_cmd: list[str],
                     row = QuietCell(cp, fleet, lb, quiet_s).run()
                 else:
                     row = Cell(cp, fleet, fault, cp.binary("kubectl"), lb,
-                               settle_after_s, client_nodes).run()
+                               settle_after_s, client_nodes, ep_cmd).run()
             except (FleetError, cphost.CPError, TimeoutError, OSError) as exc:
                 row = {"fault": fault, "lb": lb, "error": f"{type(exc).__name__}: {exc}"[:2000]}
                 _log(f"{lb}: {fault} failed: {row['error']}")
@@ -1019,8 +1144,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_only = {b for b in args.quiet_only.split(",") if b}
     if quiet_only - set(LBS):
         p.error(f"unknown balancer in --quiet-only: {', '.join(sorted(quiet_only - set(LBS)))}")
-    lb_faults = {b: [f for f in faults if (LBS[b][2] is None or f in LBS[b][2])
-                     and (b not in quiet_only or f == "quiet")] for b in lbs}
+    lb_faults = {b: faults_for(b, faults, quiet_only) for b in lbs}
     for lb in list(lbs):
         why = balancers.missing(LBS[lb][0], ep_cmd, args.go_original_bin)
         if why or not lb_faults[lb]:
@@ -1032,7 +1156,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(LBS[b][0] == "extractedprism" for b in lbs):
         profile, profile_source = read_profile(ep_cmd)
         _log(f"extractedprism's profile: {' '.join(profile)} (from {profile_source})")
-    extras = {b: lb_extra(b, profile) for b in lbs}
+    extras = {b: lb_extra(b, profile) + (UPGRADE_FLAGS if "upgrade" in lb_faults[b] else [])
+              for b in lbs}
     if "extractedprism-stall" in lbs and not extras["extractedprism-stall"]:
         skipped["extractedprism-stall"] = "the profile has no --stall-timeout"
         lbs.remove("extractedprism-stall")
