@@ -508,7 +508,8 @@ class Cell:
         cp, fleet = self.cp, self.fleet
         settle_s = self._settle()
         kube_before = kubelet_requests(fleet)
-        cpu_before = {n: cpu_ticks(cp.pid(f"lb-{n}")) for n in fleet.nodes}
+        pid_before = {n: cp.pid(f"lb-{n}") for n in fleet.nodes}
+        cpu_before = {n: cpu_ticks(pid_before[n]) for n in fleet.nodes}
         kubelet_apis_before = observe.kubelet_apis(cp, fleet)
         # The kubectl watches' servers (the request loop's connections live ~10 ms).
         watch_apis_before = observe.kubelet_apis(cp, fleet, owner="kubectl")
@@ -525,8 +526,11 @@ class Cell:
                    for a in cphost.APISERVERS}
         kubelet_apis_after = observe.kubelet_apis(cp, fleet)
         kube_after = kubelet_requests(fleet)
-        cpu_s = {n: (cpu_ticks(cp.pid(f"lb-{n}")) - cpu_before[n]) / os.sysconf("SC_CLK_TCK")
-                 for n in fleet.nodes}
+        # A balancer replaced in the window (the upgrade): its successor's CPU from its start
+        # (what the old one spent after the window's start is not counted).
+        cpu_s = {n: (cpu_ticks(cp.pid(f"lb-{n}"))
+                     - (cpu_before[n] if cp.pid(f"lb-{n}") == pid_before[n] else 0))
+                 / os.sysconf("SC_CLK_TCK") for n in fleet.nodes}
         self._stop_clients()
         gaps = self.sampler.lease_gaps(since=t_fault, until=t_end)
         not_ready = self.sampler.not_ready(since=t_fault)
@@ -573,10 +577,12 @@ class Cell:
             "server_cpu": cpu_peaks(self.cpu_series, t_fault, t_end),
             "kubelet_apis_before": kubelet_apis_before,
             "watch_apis_before": watch_apis_before,
-            "exposed": {"kubelets": sum(1 for v in kubelet_apis_before.values()
-                                        if set(v) & set(target.split(","))),
-                        "watches": sum(1 for v in watch_apis_before.values()
-                                       if set(v) & set(target.split(",")))},
+            "exposed": ({"kubelets": len(fleet.nodes), "watches": len(self.clients)}
+                        if self.fault == "upgrade" else
+                        {"kubelets": sum(1 for v in kubelet_apis_before.values()
+                                         if set(v) & set(target.split(","))),
+                         "watches": sum(1 for v in watch_apis_before.values()
+                                        if set(v) & set(target.split(",")))}),
             "kubelet_apis_after": kubelet_apis_after,
             "lb_cpu_s": {n: round(v, 2) for n, v in cpu_s.items()},
             "lb_cpu_pct": {n: round(100 * v / wall, 1) for n, v in cpu_s.items()},
