@@ -194,7 +194,7 @@ class App:
                 received.abort()
             raise
         try:
-            self._start_threads()
+            self._start_threads(successor=received is not None)
         except BaseException:
             if received is not None:
                 received.abort()
@@ -280,16 +280,19 @@ class App:
                  "SIGTERM listeners=%s connections=%d", ",".join(names),
                  self.registry.snapshot().connections_active)
 
-    def _start_threads(self) -> None:
+    def _start_threads(self, *, successor: bool = False) -> None:
         cfg = self.config
         assert self.health is not None
         if cfg.admin_socket:
             # Before any thread runs, like the listeners: a bad path fails the start
-            # (exit 1, naming the flag) and the caller's stop() closes what is open.
+            # (exit 1, naming the flag) and the caller's stop() closes what is open. A
+            # successor in a handover takes the path over from its predecessor (the
+            # same command line names the same path), which keeps answering on the
+            # socket it holds until it stops and then leaves the path alone.
             admin = AdminServer(cfg.admin_socket,
                                 AdminActions(self.registry, self.rebalancer),
                                 self.admin_listing)
-            admin.bind()
+            admin.bind(take_over=successor)
             self.admin = admin
         if cfg.health_check == "readyz":
             # Not fatal: the file is re-read on every probe and may be mounted later;

@@ -43,6 +43,30 @@ class FileProblem(Error):
     """A file read at run time is missing, not a regular file, unreadable or too big."""
 
 
+def bearer_token(raw: bytes) -> str:
+    """A bearer token from a token file's (or a kubeconfig field's) bytes: the one rule
+    for the readyz probe and discovery. ValueError with a short reason ("empty", "not
+    UTF-8 text", "more than one line", "contains a non-ASCII character", "contains a
+    control character") that the caller puts after what the token is for and where."""
+    try:
+        # Surrounding whitespace is trimmed like client-go does (strings.TrimSpace).
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    if not token:
+        raise ValueError("empty")
+    # The token goes into a header: a line break would inject headers, and anything
+    # else outside printable ASCII (a tab is allowed in a header value) would be mangled
+    # on the wire or rejected by the server, either way an authentication failure that
+    # the reason could not explain.
+    if "\r" in token or "\n" in token:
+        raise ValueError("more than one line")
+    if any(not (" " <= ch <= "~" or ch == "\t") for ch in token):
+        raise ValueError("contains a non-ASCII character" if any(ord(ch) > 0x7F for ch in token)
+                         else "contains a control character")
+    return token
+
+
 class Identity(NamedTuple):
     dev: int
     ino: int

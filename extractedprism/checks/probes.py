@@ -433,22 +433,11 @@ def _read_token(path: str) -> str:
         raise _ProbeFailed(f"token file invalid: {path}: larger than "
                            f"{_MAX_TOKEN_BYTES // 1024} KiB")
     try:
-        # Surrounding whitespace is trimmed like client-go does (strings.TrimSpace).
-        token = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise _ProbeFailed(f"token file invalid: {path}: not UTF-8 text") from None
-    if not token:
-        raise _ProbeFailed(f"token file empty: {path}")
-    # The token goes into a header: a line break would inject headers, and anything
-    # else outside printable ASCII would be mangled on the wire or rejected by the
-    # server, either way an authentication failure that the reason could not explain.
-    if "\r" in token or "\n" in token:
-        raise _ProbeFailed(f"token file invalid: {path}: more than one line")
-    if any(not (" " <= ch <= "~" or ch == "\t") for ch in token):
-        bad = ("a non-ASCII character" if any(ord(ch) > 0x7F for ch in token)
-               else "a control character")
-        raise _ProbeFailed(f"token file invalid: {path}: contains {bad}")
-    return token
+        return files.bearer_token(raw)
+    except ValueError as exc:
+        if str(exc) == "empty":
+            raise _ProbeFailed(f"token file empty: {path}") from None
+        raise _ProbeFailed(f"token file invalid: {path}: {exc}") from None
 
 
 def _short(exc: BaseException) -> str:

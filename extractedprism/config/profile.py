@@ -52,9 +52,9 @@ PRODUCTION: tuple[Setting, ...] = (
             "one fails fast"),
     Setting("health-recheck", "1s",
             "the check confirming a first failure runs 1 s after it, not a whole interval"),
-    Setting("unready-drain-timeout", "3s",
-            "an unready API server's stuck watches move within 3 s, not the 30 s kept for "
-            "removed ones"),
+    Setting("unready-drain-timeout", "1s",
+            "an unready API server's watches move within 1 s (not the 30 s kept for removed "
+            "ones), within 10 s of an etcd cut"),
     Setting("stall-timeout", "2s",
             "a request unanswered for 2 s (the node's own traffic) runs its API server's "
             "next check now"),

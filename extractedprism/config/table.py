@@ -236,7 +236,9 @@ FLAGS: tuple[Flag, ...] = (
         "A connection stalls when its client has sent bytes and its upstream has sent "
         "nothing back for this long (sampled from the relay's byte counters); a stall runs "
         "its upstream's next health check now (at most once per upstream per stall "
-        "timeout), and that check counts like any other: a stall alone never closes a "
+        "timeout; a stall still unanswered two stall timeouts later gets one second look), "
+        "and that check counts like any other; while it is stalled, new connections go to "
+        "other upstreams: a stall alone never closes a "
         "connection or marks an upstream down; when failed checks exclude an upstream "
         "while another serves, its connections stalled then are closed at once, the "
         "others keep --unready-drain-timeout (0: off)",

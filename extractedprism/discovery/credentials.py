@@ -45,7 +45,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from extractedprism.errors import Error
-from extractedprism.files import FileProblem, Reads, Reloaded
+from extractedprism.files import FileProblem, Reads, Reloaded, bearer_token
 
 TLS_SERVER_NAME = "kubernetes.default.svc"
 # A bearer token is a few KiB; a kubeconfig with embedded certificates a few tens.
@@ -374,18 +374,9 @@ def _pem_path(data: bytes | None, path: str, what: str, reads: Reads) -> Iterato
 def _token(raw: bytes, where: str, error: type[ClientConfigError] = ClientConfigError
            ) -> str:
     try:
-        # Surrounding whitespace is trimmed as client-go does (strings.TrimSpace).
-        token = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise error(f"token unusable: {where}: not UTF-8 text") from None
-    if not token:
-        raise error(f"token unusable: {where}: empty")
-    # It goes into a header: a line break would inject headers, anything outside
-    # printable ASCII would fail authentication in a way no reason could explain.
-    if any(not (" " <= ch <= "~") for ch in token):
-        raise error(f"token unusable: {where}: more than one line or a "
-                                "character outside printable ASCII")
-    return token
+        return bearer_token(raw)
+    except ValueError as exc:
+        raise error(f"token unusable: {where}: {exc}") from None
 
 
 def _ssl_reason(exc: ssl.SSLError) -> str:

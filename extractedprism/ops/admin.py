@@ -113,15 +113,20 @@ class AdminServer:
 
     # -- lifecycle (main thread) -----------------------------------------------------
 
-    def bind(self) -> None:
+    def bind(self, *, take_over: bool = False) -> None:
         """Create the socket at ``path`` with mode 0600 (unixsock.listen_private: never
-        reachable with a looser mode); UnixSocketError naming the flag if not."""
+        reachable with a looser mode); UnixSocketError naming the flag if not.
+        ``take_over``: this instance took its listeners from a predecessor in a
+        handover, so a live socket at the path is that predecessor's and is replaced
+        (renamed over: the predecessor's own socket stays open, and at its stop it
+        leaves the path, no longer its file, alone)."""
         where = f"--admin-socket {self.path}"
-        self._clear_stale(where)
+        self._clear_stale(where, take_over=take_over)
         self._sock, self._inode = listen_private(self.path, "--admin-socket", 16)
 
-    def _clear_stale(self, where: str) -> None:
-        """A socket left by a process that died is removed; anything else is not ours."""
+    def _clear_stale(self, where: str, *, take_over: bool = False) -> None:
+        """A socket left by a process that died is removed; a live one is replaced only
+        with ``take_over``; anything else is not ours."""
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
@@ -138,6 +143,9 @@ class AdminServer:
             return
         finally:
             probe.close()
+        if take_over:
+            log.info("taking over the admin socket from the predecessor path=%s", self.path)
+            return  # listen_private renames the new socket over it
         raise AdminSocketError(f"cannot create {where}: another process is serving on it")
 
     def start(self) -> None:

@@ -33,6 +33,17 @@ no byte back at all (a frozen server still accepts TCP) is asked from its first 
 
 from __future__ import annotations
 
+# Stall-triggered checks one unanswered stretch may ask for: the first when it stalls,
+# and one second look when it is still unanswered SECOND_LOOK stall timeouts after the
+# first was asked for. Why two: a kube-apiserver's own /readyz lags an etcd cut by about
+# 3 s (measured on the real control plane: a server cut just before answers the stall's
+# first check with 200), so one look would leave a cut server in use until the next
+# scheduled check. Why not more: a slow LIST or a quiet exec stream costs at most two
+# probes, whatever its length. Why two stall timeouts later and not one: an answer that
+# comes after twice the stall timeout (a slow but healthy server) still costs one probe.
+STALL_LOOKS = 2
+SECOND_LOOK = 2.0
+
 # A stall-triggered check's results (extractedprism_stall_checks_total{result}, the
 # ``stall_checks`` of /upstreams): its check failed (TCP or readyz) or passed.
 STALL_FAILED, STALL_PASSED = STALL_CHECK_RESULTS = ("failed", "passed")
@@ -44,10 +55,11 @@ class Activity:
     ``attached`` is the first sample that saw the connection and ``active`` the first
     that saw a count move (age and quiet time err short by at most one sample period,
     never long). ``asked``: see the module docstring (None: nothing unanswered).
-    ``stalled``: counted as a stall (once per unanswered stretch); ``checked``: a
-    stall-triggered check has covered it (one check per stretch)."""
+    ``stalled``: counted as a stall (once per unanswered stretch); ``checks``: the
+    stall-triggered checks asked for it in this stretch (at most :data:`STALL_LOOKS`),
+    the last at ``looked``."""
 
-    __slots__ = ("active", "asked", "attached", "checked", "down", "stalled", "up")
+    __slots__ = ("active", "asked", "attached", "checks", "down", "looked", "stalled", "up")
 
     def __init__(self, now: float, up: int, down: int, answered: int) -> None:
         self.attached = now
@@ -56,7 +68,8 @@ class Activity:
         self.down = down
         self.asked: float | None = now if up > answered else None
         self.stalled = False
-        self.checked = False
+        self.checks = 0
+        self.looked = 0.0
 
     def sample(self, now: float, up: int, down: int, answered: int) -> None:
         """One reading of the pipe's live counters (``answered``: the up count when the
@@ -71,8 +84,20 @@ class Activity:
             # (within a sample period after they came, never before).
             self.asked = now
         if self.asked is None or down != self.down:
-            self.stalled = self.checked = False
+            self.stalled = False
+            self.checks = 0
         self.up, self.down = up, down
+
+    def wants_look(self, now: float, timeout: float) -> bool:
+        """A stalled stretch asks for a check: its first, or its second look
+        :data:`SECOND_LOOK` stall timeouts after the first."""
+        if self.checks == 0:
+            return True
+        return self.checks < STALL_LOOKS and now - self.looked >= SECOND_LOOK * timeout
+
+    def looked_now(self, now: float) -> None:
+        self.checks += 1
+        self.looked = now
 
     def stalled_for(self, now: float) -> float:
         """How long the client's bytes have gone unanswered (0: nothing unanswered)."""

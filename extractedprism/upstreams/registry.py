@@ -132,6 +132,9 @@ class Registry:
         # The stall check (0: off). Connections' activity is sampled (conn-sampler) only
         # when it or rebalancing is on.
         self._stall_timeout = stall_timeout
+        # Upstreams with a stalled connection at the last sample: new connections go
+        # elsewhere while another eligible upstream has none (_choose_locked).
+        self._suspect: frozenset[str] = frozenset()
 
     def _run(self, fx: Effects) -> None:
         fx.run(log, self._on_change)
@@ -274,6 +277,11 @@ class Registry:
             self._pickable = sum(1 for c in candidates if sm.pickable(c))
         self._pool_key = key  # also when equal: the next comparison is by identity again
         pool = self._pool
+        if self._suspect and len(pool) > 1:
+            # The stall check's suspects take no new connection while another can: a
+            # request hanging there says new ones would too, until a check decides (the
+            # leastconn effect of a server piling up hung connections, per node).
+            pool = [a for a in pool if a not in self._suspect] or pool
         if self._ramping and len(pool) > 1:
             return self._pick_weighted_locked(pool)
         if self._selection == "least-conn" and len(pool) > 1:
@@ -589,10 +597,14 @@ class Registry:
         # a new connection's pick costs nothing more with sampling on, and its age and
         # quiet time err short by at most one sample period (never long).
         timeout = self._stall_timeout
+        suspect = []
         for addr, rec in self._ups.items():
             stalled = self._sample_record_locked(rec, now, timeout)
             if stalled:
+                suspect.append(addr)
                 self._stalls_locked(addr, rec, now, stalled, fx)
+        if suspect or self._suspect:
+            self._suspect = frozenset(suspect)
 
     @staticmethod
     def _sample_record_locked(rec: Record, now: float, timeout: float
@@ -619,23 +631,25 @@ class Registry:
 
     def _stalls_locked(self, addr: str, rec: Record, now: float,
                        stalled: list[tuple[float, Tracked, Activity]], fx: Effects) -> None:
-        """Count ``addr``'s newly ``stalled`` connections; a stall not yet covered by a
-        check asks for one now (Change "stall-check": the ticker runs its next check at
-        once), at most once per --stall-timeout, and only of an upstream that takes
-        checks and is not excluded (an excluded one is checked anyway, and loses
-        nothing)."""
+        """Count ``addr``'s newly ``stalled`` connections; a stall that wants a look
+        (:meth:`~extractedprism.upstreams.activity.Activity.wants_look`: its first, or a
+        second one while still unanswered) asks for one now (Change "stall-check": the
+        ticker runs its next check at once), at most once per --stall-timeout, and only
+        of an upstream that takes checks and is not excluded (an excluded one is checked
+        anyway, and loses nothing)."""
         for _, _, act in stalled:
             if not act.stalled:
                 act.stalled = True
                 rec.stalls += 1
-        if all(act.checked for _, _, act in stalled):
+        due = [act for _, _, act in stalled if act.wants_look(now, self._stall_timeout)]
+        if not due:
             return
         if rec.state.lifecycle not in sm.TAKES_CHECKS or sm.excluded(rec.state):
             return
         if rec.stall_check_at is not None and now - rec.stall_check_at < self._stall_timeout:
             return  # the rate limit: the next sample after it asks again
-        for _, _, act in stalled:
-            act.checked = True
+        for act in due:
+            act.looked_now(now)
         oldest = max(stalled, key=_first)
         rec.stall_check_at = now
         rec.stall_trigger = StallTrigger(now, len(stalled), oldest[0], oldest[1].client)

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import trustme
 
+from extractedprism.upstreams.activity import SECOND_LOOK
 from extractedprism.upstreams.sampler import stall_sample_period
 from tests.fakes.upstream import FakeUpstream
 from tests.util import http, wait_until
@@ -52,12 +53,23 @@ class StallingUpstream(FakeUpstream):
         self.answering = threading.Event()
         self.answering.set()
         self.slow_delay = 0.0
+        self.silenced_at = 0.0
+        self.readyz_lag: float | None = None
 
-    def silence(self) -> None:
+    def silence(self, readyz_lag: float | None = None) -> None:
+        """Stop answering. ``readyz_lag``: /readyz still answers, 200 for that many
+        seconds and 500 after (a kube-apiserver just cut off from etcd); None: /readyz
+        goes silent too (a frozen one)."""
+        self.silenced_at = time.monotonic()
+        self.readyz_lag = readyz_lag
         self.answering.clear()
 
     def _route(self, conn: socket.socket, method: str, route: str, body: bytes,
                keep_alive: bool) -> bool:
+        if route == "/readyz" and not self.answering.is_set() and self.readyz_lag is not None:
+            self.ready_status = (200 if time.monotonic() - self.silenced_at < self.readyz_lag
+                                 else 500)
+            return super()._route(conn, method, route, body, keep_alive)
         while not self.answering.wait(0.05):
             if self.closing.is_set():
                 return False
@@ -230,6 +242,33 @@ def test_a_silent_upstream_is_checked_on_the_stall_and_excluded_by_the_confirmin
 
 @pytest.mark.timeout(60)
 @RELAYS
+def test_a_stall_still_unanswered_gets_a_second_look_that_catches_a_lagging_readyz(
+        make_app, ups, ca, tmp_path, clients, relay):
+    # Cut off from etcd, a kube-apiserver hangs requests at once but its /readyz says
+    # 200 for a few seconds more: the stall's first check passes, its second look two
+    # stall timeouts later fails, and the confirming check excludes.
+    app = start(make_app, ups, ca, tmp_path, relay=relay)
+    bad = ups[0]
+    stalled = clients(app, ca, "up0")
+    lag = 1.5 * STALL  # past the first look, before the second
+    bad.silence(readyz_lag=lag)
+    t0 = time.monotonic()
+    stalled.send("/whoami")
+    bound = (1 + SECOND_LOOK) * STALL + PERIOD + RECHECK + 2 * TIMEOUT + SLACK
+    wait_until(lambda: app.registry.snapshot().get(bad.address).readiness == "unready",
+               bound, message="up0 excluded")
+    hits = bad.readyz_after(t0)
+    assert len(hits) >= 3, hits  # first look, second look, the confirming check
+    assert STALL - 0.02 <= hits[0] - t0 <= STALL + PERIOD + SLACK, hits[0] - t0
+    assert SECOND_LOOK * STALL - 0.05 <= hits[1] - hits[0] <= (
+        SECOND_LOOK * STALL + PERIOD + SLACK), hits
+    assert stalled.closed_within(SLACK), "the stalled connection was not closed"
+    checks = dict(app.registry.snapshot().get(bad.address).stall_checks)
+    assert checks.get("passed") == 1 and checks.get("failed", 0) >= 1, checks
+
+
+@pytest.mark.timeout(60)
+@RELAYS
 def test_a_slow_answer_on_a_healthy_upstream_costs_one_check_and_nothing_else(
         make_app, ups, ca, tmp_path, clients, relay):
     app = start(make_app, ups, ca, tmp_path, relay=relay)
@@ -322,3 +361,36 @@ def test_off_changes_nothing(make_app, ups, ca, tmp_path, clients):
     assert entry["ready"] is True
     assert "stall_checks_total" not in http(app.health_address, "/metrics")[2].decode()
     assert not c.closed_within(0.2)
+
+
+@pytest.mark.timeout(60)
+@RELAYS
+def test_new_connections_go_elsewhere_while_a_connection_is_stalled(
+        make_app, ups, ca, tmp_path, clients, relay):
+    # The server's /readyz keeps saying 200 (checks pass, nothing is excluded); only the
+    # stalled request says new requests would hang there too.
+    app = start(make_app, ups, ca, tmp_path, relay=relay)  # random: up0 half the time
+    bad = ups[0]
+    stalled = clients(app, ca, "up0")
+    bad.silence(readyz_lag=60.0)
+    stalled.send("/whoami")
+    wait_until(lambda: app.registry.snapshot().get(bad.address).stalls >= 1,
+               STALL + PERIOD + SLACK, message="the stall")
+    for _ in range(20):
+        c = Client(app, ca)
+        try:
+            assert c.get("/whoami", timeout=2.0) == b"up1"
+        finally:
+            c.close()
+    u = app.registry.snapshot().get(bad.address)
+    assert u.ready and u.healthy
+    bad.answering.set()  # answered: no longer suspect, new connections reach it again
+    assert stalled.answer(SLACK + 1) == b"up0"
+
+    def lands_on_up0() -> bool:
+        c = Client(app, ca)
+        try:
+            return c.get("/whoami", timeout=2.0) == b"up0"
+        finally:
+            c.close()
+    wait_until(lands_on_up0, 5, message="a new connection on up0 again")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from extractedprism.ops import admin
 from tests.fakes.fake_apiserver import make_slice
 from tests.fakes.upstream import IdentityServer
 from tests.logcheck import parse_logfmt
@@ -116,6 +117,41 @@ def test_handover_without_a_refused_or_reset_connection(upstream, tmp_path: Path
             loop.stop()
         if held is not None:
             held.close()
+        old.reap()
+        if new is not None:
+            new.reap()
+
+
+def test_handover_with_one_admin_socket_path_moves_the_path_to_the_successor(
+        upstream, tmp_path: Path):
+    # The same command line for both (a systemd unit, a node's static pod manifest):
+    # one --admin-socket path. The successor takes it over, as it takes the listeners.
+    sock_path, admin_path = str(tmp_path / "handover.sock"), str(tmp_path / "admin.sock")
+    extra = ("--handover-socket", sock_path, "--admin-socket", admin_path,
+             "--shutdown-drain-timeout", "1s")
+    old, bind, health = start_first(upstream.address, *extra)
+    new: Proc | None = None
+    try:
+        wait_until(lambda: os.path.exists(sock_path), 10, message="the old one offers")
+        wait_until(lambda: os.path.exists(admin_path), 10, message="the old admin socket")
+        before = os.stat(admin_path).st_ino
+        assert admin.request(admin_path, {"command": "list"})["code"] == 0
+        new = Proc(proxy_args(bind, health, upstream.address, *extra))
+        wait_until(lambda: new.saw("handover: took over listeners"), 20,
+                   message="the successor took the listeners")
+        wait_until(lambda: new.saw("taking over the admin socket from the predecessor"), 10,
+                   message="the successor took the admin path")
+        wait_until(lambda: old.saw("a successor accepts now"), 10,
+                   message="the old one stopped accepting")
+        assert os.stat(admin_path).st_ino != before
+        assert old.popen.poll() is None and new.popen.poll() is None
+        old.signal(signal.SIGTERM)
+        assert old.wait(1 + SHUTDOWN_BOUND_S + 5) == 0
+        # The old one left the path (no longer its file) alone: the successor answers.
+        assert admin.request(admin_path, {"command": "list"})["code"] == 0
+        assert new.popen.poll() is None and healthz_ok(health)
+        assert "cannot create --admin-socket" not in new.log
+    finally:
         old.reap()
         if new is not None:
             new.reap()

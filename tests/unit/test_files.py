@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from extractedprism import files
 from extractedprism.files import FileProblem, Reads, Reloaded
 
 pytestmark = pytest.mark.timeout(10)
@@ -73,3 +74,17 @@ def test_a_fifo_or_directory_is_refused_without_opening_it(tmp_path: Path) -> No
         reader([fifo], []).get()
     with pytest.raises(FileProblem, match="is a directory"):
         reader([tmp_path], []).get()
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b"", "empty"), (b" \n\t ", "empty"), (b"\xff\xfe", "not UTF-8 text"),
+    (b"a\nb", "more than one line"), (b"a\rb", "more than one line"),
+    ("tök".encode(), "contains a non-ASCII character"), (b"a\x00b", "contains a control character"),
+])
+def test_one_bearer_token_rule_for_the_probe_and_discovery(raw: bytes, reason: str) -> None:
+    with pytest.raises(ValueError, match=f"^{reason}$"):
+        files.bearer_token(raw)
+
+
+def test_a_bearer_token_is_trimmed_like_client_go() -> None:
+    assert files.bearer_token(b"  abc.def-1\tx \n") == "abc.def-1\tx"

@@ -67,11 +67,11 @@ def test_a_clienthello_nothing_answers_is_asked_from_the_first_sample():
 def test_a_stall_is_counted_and_checked_once_per_unanswered_stretch():
     act = Activity(0.0, up=100, down=10, answered=100)
     act.sample(1.0, up=150, down=10, answered=100)
-    act.stalled = act.checked = True
+    act.stalled, act.checks = True, 1
     act.sample(4.0, up=170, down=10, answered=100)  # the client sends more: same stretch
-    assert act.stalled and act.checked
+    assert act.stalled and act.checks == 1
     act.sample(5.0, up=170, down=90, answered=170)  # answered: the next stretch is new
-    assert not act.stalled and not act.checked
+    assert not act.stalled and act.checks == 0
 
 
 def test_off_never_stalls():
@@ -129,10 +129,34 @@ def test_a_stall_asks_for_a_check_of_its_upstream_once_the_stall_timeout_has_pas
     assert rig.sample(0.25) == []  # asked from here (times exact in binary)
     assert rig.sample(T - 0.25) == []
     assert rig.sample(0.25) == [Change("stall-check", A)]
-    assert rig.sample(0.25) == []  # one check per stretch
+    assert rig.sample(0.25) == []  # within the rate limit
     view = rig.reg.snapshot().get(A)
     assert (view.stalls, view.stalled_connections) == (1, 1)
     assert rig.reg.snapshot().get(B).stalls == 0
+
+
+def test_a_stretch_still_unanswered_gets_one_second_look_and_no_more():
+    # A kube-apiserver's readyz lags an etcd cut by seconds: the first look may pass.
+    rig = Rig()
+    c = rig.conn(A, "kubelet")
+    answer(c)
+    rig.sample()
+    ask(c)
+    rig.sample(0.25)
+    assert rig.sample(T) == [Change("stall-check", A)]
+    rig.reg.record_probe(A, ready(True), stall=True)  # the first look passed
+    assert rig.sample(2 * T - 0.25) == []  # an answer within 3 T costs one probe
+    assert rig.sample(0.25) == [Change("stall-check", A)]  # the second look
+    rig.reg.record_probe(A, ready(True), stall=True)
+    for _ in range(10):  # a LIST that takes a minute costs no more probes
+        assert rig.sample(T) == []
+    assert rig.reg.snapshot().get(A).stalls == 1
+    answer(c)  # the answer ends the stretch; the next request starts another
+    rig.sample(0.25)
+    ask(c)
+    rig.sample(0.25)
+    assert rig.sample(T) == [Change("stall-check", A)]
+    assert rig.reg.snapshot().get(A).stalls == 2
 
 
 def test_the_rate_limit_is_one_stall_check_per_upstream_per_stall_timeout():
@@ -155,7 +179,7 @@ def test_the_rate_limit_is_one_stall_check_per_upstream_per_stall_timeout():
     rig.sample()
     ask(b)
     rig.sample(0.1)
-    assert rig.sample(T) == [Change("stall-check", B)]
+    assert Change("stall-check", B) in rig.sample(T)  # (beside A's second looks)
 
 
 def test_no_stall_check_of_an_excluded_upstream_or_without_client_bytes():
@@ -247,3 +271,56 @@ def test_off_tracks_nothing_and_shows_nulls():
     rig.reg.record_probe(A, ready(False))
     assert not c.closed
     assert "stall_checks_total" not in metrics_text(rig.reg)
+
+
+@pytest.mark.parametrize("selection", ["random", "least-conn"])
+def test_new_connections_avoid_a_suspect_while_another_upstream_can_take_them(selection):
+    rig = Rig()
+    rig.reg = Registry(clock=rig.clock, readyz=True, stall_timeout=T, selection=selection,
+                       unready_drain_timeout=30.0)
+    rig.reg.set_endpoints(EPS)
+    for addr in (str(e) for e in EPS):
+        rig.reg.record_probe(addr, ready(True))
+    others = {str(e) for e in EPS} - {A}
+
+    def picks(n: int = 60) -> set[str]:
+        out = set()
+        for _ in range(n):
+            res = rig.reg.reserve()
+            assert res is not None
+            out.add(res.address)
+            res.release()
+        return out
+
+    c = rig.conn(A, "kubelet")
+    for i, addr in enumerate(sorted(others)):  # one each: least-conn ties
+        answer(rig.conn(addr, f"idle{i}"))
+    answer(c)
+    rig.sample()
+    assert A in picks()
+    ask(c)
+    rig.sample(0.25)
+    assert A in picks()  # unanswered, not yet stalled
+    rig.sample(T)  # stalled: suspect until answered or excluded
+    assert picks() == others
+    answer(c)
+    rig.sample(0.25)
+    assert A in picks()
+    # Every upstream suspect: the picks go on as before rather than nowhere.
+    conns = [rig.conn(str(e), f"c{i}") for i, e in enumerate(EPS)]
+    rig.sample()
+    for x in conns:
+        ask(x)
+    rig.sample(0.25)
+    rig.sample(T)
+    assert picks() == {str(e) for e in EPS}
+
+
+def test_off_has_no_suspects():
+    rig = Rig(stall=0.0)
+    c = rig.conn(A, "kubelet")
+    rig.sample()
+    ask(c)
+    rig.sample(0.25)
+    rig.sample(10 * T)
+    assert A in {rig.reg.reserve().address for _ in range(60)}  # type: ignore[union-attr]
