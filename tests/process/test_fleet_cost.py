@@ -9,6 +9,8 @@ starts a control plane (the figures themselves are a run by hand, docs/compare.m
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,7 +87,7 @@ def test_proc_usage_of_a_tree_counts_children_and_leaves_a_wrapper_out() -> None
     # The child burns 1.2 s of CPU (not of wall time: the machine may be loaded), then idles.
     proc = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'import time\n"
                              "while time.process_time() < 1.2: pass\n"
-                             "time.sleep(60)'; true"])
+                             "time.sleep(60)'; true"], start_new_session=True)
     try:
         deadline = time.monotonic() + 45
         while True:
@@ -101,7 +103,7 @@ def test_proc_usage_of_a_tree_counts_children_and_leaves_a_wrapper_out() -> None
         assert no_sh is not None and no_sh["cpu_s"] == pytest.approx(whole["cpu_s"], abs=0.3)
         assert no_sh["rss_mib"] < whole["rss_mib"] and no_sh["threads"] == whole["threads"] - 1
     finally:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # the shell and its child, started by us
         proc.wait(10)
     assert cost.proc_usage(proc.pid) is None
     assert cost.proc_usage(None) is None
