@@ -79,6 +79,16 @@ def project(costs: dict[str, float], nodes: int, servers: int = 3) -> dict[str, 
     return out
 
 
+def probe_cpu(a: dict[str, float], b: dict[str, float]) -> float | None:
+    """API-server CPU seconds per probe from two balancers that differ (mostly) in their
+    probe rate (``per_node`` of each): the CPU difference over the probe-rate difference;
+    None when the rates are the same."""
+    dp = a["probes_per_s"] - b["probes_per_s"]
+    if abs(dp) < 1e-9:
+        return None
+    return (a["api_cpu_cores"] - b["api_cpu_cores"]) / dp
+
+
 def interval_for(nodes: int, servers: int, probe_cpu_s: float, budget_cores: float,
                  floor_s: float = 5.0) -> float:
     """The shortest probe interval that keeps every API server's probe CPU within
@@ -124,6 +134,12 @@ def markdown(doc: dict[str, Any]) -> str:
          else "-")
     line("balancer RSS (MiB); threads; CPU (millicores)",
          lambda c: f"{c['lb_rss_mib']:.1f}; {c['lb_threads']:.0f}; {1000 * c['lb_cpu_cores']:.2f}")
+    pairs = [("extractedprism", "extractedprism-spec"), ("haproxy", BASELINE)]
+    for a, b in pairs:
+        if a in costs and b in costs:
+            c = probe_cpu(costs[a], costs[b])
+            lines.append(f"\nAPI-server CPU per probe from {NAMES[a]} against {NAMES[b]}: "
+                         + (f"{1000 * c:.2f} ms" if c is not None else "-"))
     for n in SIZES:
         lines += ["", f"At {n:,} nodes, per API server (3 API servers):", "", head]
         proj = {b: project(costs[b], n) for b in lbs}
