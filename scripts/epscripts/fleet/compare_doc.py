@@ -605,7 +605,8 @@ gaps, 0.34 for skew, exactly for counts.
         partition=f"{t['partition_s']:g}",
         partition_watch=f"{max(t['watch_min_s'], t['partition_s'] + t['after_s']):g}",
         settle=f"{settle:g}", settle_rebalances=t.get("settle_rebalances", "-"),
-        quiet=f"{doc.get('quiet_window_s', 300):g} + {doc.get('quiet_warmup_s', 30):g}",
+        quiet=(f"{doc['quiet_window_s']:g} + {doc.get('quiet_warmup_s', 30):g}"
+               if "quiet_window_s" in doc else "`--quiet-window` (300 by default) + 30"),
         write_period=f"{t['write_period_s']:g}",
         request_period=f"{t['request_period_s']:g}",
         profile=" ".join(doc.get("profile", [])) or "(not run)",
