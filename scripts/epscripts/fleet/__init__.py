@@ -8,5 +8,7 @@ scripts/controlplane); the modules:
 
 * ``balancers``: each balancer's configuration and command line;
 * ``nodes``: :class:`nodes.Fleet`: namespaces, certificates, processes, up/down;
-* ``observe``: Node readiness, Lease renewals and connections, seen from outside.
+* ``observe``: Node readiness, Lease renewals and connections, seen from outside;
+* ``cost``: what the fleet costs the control plane (the API servers' own request
+  counters, /proc of the API servers, etcd, the balancers and the kubelets).
 """

@@ -42,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,29 @@ from typing import Any
 from epscripts.controlplane import build as cpbuild
 from epscripts.controlplane import host as cphost
 from epscripts.controlplane import plane as cpplane
-from epscripts.fleet import balancers, observe
-from epscripts.fleet.nodes import Fleet, FleetError, _descendants, default_ep_cmd, repo_root
+from epscripts.fleet import balancers, cost, observe
+from epscripts.fleet.nodes import (
+    MAX_NODES,
+    Fleet,
+    FleetError,
+    _descendants,
+    default_ep_cmd,
+    repo_root,
+)
 
-FAULTS = ("scaleout", "kill", "stop", "partition", "rolling")
+FAULTS = ("scaleout", "quiet", "kill", "stop", "partition", "rolling", "upgrade")
+# Faults only some kinds can take: the fleet-wide upgrade hands the listeners over, which
+# only extractedprism does (--handover-socket).
+KIND_FAULTS = {"upgrade": ("extractedprism",)}
+# For the upgrade, extractedprism runs as the chart's DaemonSet does (chart values
+# handoverSocket, shutdownDrainTimeout; each pod its own admin socket): the successor takes
+# the listeners over, then the old instance gets SIGTERM and closes its connections spread
+# over the drain. {node_dir}: the node's own directory (balancers.NODE_DIR).
+UPGRADE_FLAGS = [f"--handover-socket={balancers.NODE_DIR}/extractedprism.handover",
+                 "--shutdown-drain-timeout=30s"]
+UPGRADE_PACE_S = 2.0  # between one node's handover and the next node's
+HANDOVER_TIMEOUT = 20.0  # the successor logs that it took the listeners over
+PROXY_EXIT_TIMEOUT = 30.0 + 20.0  # the old instance's exit after SIGTERM: drain + shutdown
 # extractedprism as the chart ships it: the production profile, read from its one
 # definition in the product (PROFILE_MODULE), never typed here, on top of what the fleet
 # always passes (docs/fleet.md: the static pod's command line with readyz and the node's
@@ -75,8 +95,9 @@ LBS: dict[str, tuple[str, str, tuple[str, ...] | None]] = {
     "nginx": ("nginx", "none", None),
     "go-original": ("go-original", "none", None),
     "extractedprism-stall": ("extractedprism", "stall", ("stop", "partition")),
+    "extractedprism-spec": ("extractedprism", "none", ("quiet",)),
 }
-LBS_DEFAULT = "extractedprism,haproxy,nginx,go-original,extractedprism-stall"
+LBS_DEFAULT = "extractedprism,haproxy,nginx,go-original,extractedprism-stall,extractedprism-spec"
 # After the roll and the scale-out the fleet is watched this many of the profile's
 # rebalance intervals plus its slow start after the last server is ready (at least
 # AFTER_S), so rebalancing has had its chance to even the connections out.
@@ -97,11 +118,19 @@ STOP_S = 30.0
 PARTITION_S = 60.0
 AFTER_S = 30.0  # watched after the fault ends (at least; WATCH_MIN from its start)
 READY_TIMEOUT = 120.0
+QUIET_S = 300.0  # the quiet window (issue 31: five minutes); --quiet-window
+QUIET_WARMUP_S = 30.0  # after the fleet has settled, before the quiet window starts
+CLIENT_NODES = 10  # the extra clients run on at most this many nodes (--client-nodes)
+CONN_PERIOD = 5.0  # connections per API server sampled this often during a fault
+SKEW_TARGET = 1.25
 EXIT_TIMEOUT = 90.0  # a SIGTERMed API server's exit; then SIGKILL (and it is reported)
 CELL_MAX_S = 600.0  # any one cell, end to end (the clients' own bound)
 DOC = "docs/compare.md"
 RUN_STARTED = [""]  # this run's start, stamped on each of its cells
 RESULTS = "docs/compare.json"
+# A run at another size than NODES_DEFAULT keeps its results apart and is rendered into
+# its own section of DOC, beside the 3-node tables (compare_doc.FLEET_MARKERS).
+RESULTS_FLEET = "docs/compare-fleet.json"
 
 
 def _log(msg: str) -> None:
@@ -149,6 +178,15 @@ def read_profile(ep_cmd: list[str]) -> tuple[list[str], str]:
     _log(f"this extractedprism has no `profile` command: using PROFILE_FALLBACK {PROFILE_FALLBACK}")
     return list(PROFILE_FALLBACK), "PROFILE_FALLBACK in scripts/epscripts/fleet/compare.py " \
         "(the product had no profile command)"
+
+
+def faults_for(lb: str, faults: list[str], quiet_only: set[str] = frozenset()) -> list[str]:
+    """The faults of ``faults`` that ``lb`` (a name of LBS) is measured for: its variant's
+    own, those its kind can take (KIND_FAULTS), only the quiet cell if in ``quiet_only``."""
+    kind, _, own = LBS[lb]
+    return [f for f in faults if (own is None or f in own)
+            and (lb not in quiet_only or f == "quiet")
+            and kind in KIND_FAULTS.get(f, (kind,))]
 
 
 def lb_extra(lb: str, profile: list[str]) -> list[str]:
@@ -310,9 +348,11 @@ def kubelet_requests(fleet: Fleet) -> dict[str, dict[str, int]]:
     read on its port 10250 inside the node's namespace; kubemark serves plain HTTP)."""
     probe = ("import urllib.request,sys;sys.stdout.write(urllib.request.urlopen("
              "'http://127.0.0.1:10250/metrics',timeout=5).read().decode())")
-    out: dict[str, dict[str, int]] = {}
+    from concurrent.futures import ThreadPoolExecutor
+
     rx = re.compile(r'^rest_client_requests_total\{code="([^"]*)".*\}\s+(\S+)$')
-    for node in fleet.nodes:
+
+    def one(node: str) -> dict[str, int]:
         counts: dict[str, int] = {}
         with contextlib.suppress(subprocess.TimeoutExpired, OSError):
             proc = fleet.in_netns(node, [sys.executable, "-c", probe], timeout=15)
@@ -320,8 +360,11 @@ def kubelet_requests(fleet: Fleet) -> dict[str, dict[str, int]]:
                 m = rx.match(line)
                 if m:
                     counts[m.group(1)] = counts.get(m.group(1), 0) + int(float(m.group(2)))
-        out[node] = counts
-    return out
+        return counts
+
+    # A few at a time: at 100 nodes one after another took longer than a fault.
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="compare-kubelet-metrics") as ex:
+        return dict(zip(fleet.nodes, ex.map(one, fleet.nodes), strict=True))
 
 
 def failed_requests(before: dict[str, int], after: dict[str, int]) -> int:
@@ -359,11 +402,22 @@ class Cell:
     """One fault through one balancer: set up, run, measure, always clean up."""
 
     def __init__(self, cp: Any, fleet: Fleet, fault: str, kubectl: str, lb: str,
-                 settle_after_s: float) -> None:
+                 settle_after_s: float, client_nodes: int = CLIENT_NODES,
+                 ep_cmd: list[str] | None = None) -> None:
         self.cp, self.fleet, self.fault, self.kubectl = cp, fleet, fault, kubectl
+        self.ep_cmd = ep_cmd or default_ep_cmd()
         self.lb = lb  # the name in the results (a fleet kind, or a variant of one)
         self.settle_after_s = settle_after_s  # watched after the roll / scale-out
         self.notes: list[str] = []
+        # The nodes with the extra clients (a kubectl watch, a request loop): every node
+        # of a small fleet, an even spread of a large one (100 of each are a load of
+        # their own on a 2-CPU machine, and not what is measured).
+        self.clients = pick_spread(fleet.nodes, client_nodes)
+        self.conn_series: list[tuple[float, dict[str, int]]] = []
+        # CPU seconds of each API server and etcd (/proc), sampled with the connections.
+        self.cpu_series: list[tuple[float, dict[str, float | None]]] = []
+        self.t_ready = 0.0  # roll / scale-out: when the last server was ready
+        self.upgrade: dict[str, Any] | None = None  # the fleet-wide upgrade's own figures
 
     def _avoid(self, apis: set[str]) -> None:
         self.sampler.avoid = set(apis)
@@ -391,7 +445,7 @@ class Cell:
         if status != 200:
             raise FleetError(f"ConfigMap {NAMESPACE}/{CONFIGMAP}: {status} {body}")
         rv = body["metadata"]["resourceVersion"]
-        for node in fleet.nodes:
+        for node in self.clients:
             d = fleet.node_dir(node)
             kc = d / "clients.kubeconfig"
             kc.write_text(balancers.kubeconfig_text(
@@ -409,7 +463,7 @@ class Cell:
                 {"PYTHONPATH": str(repo_root() / "scripts")})
 
     def _stop_clients(self) -> None:
-        for node in self.fleet.nodes:
+        for node in self.clients:
             self.fleet.stop_proc(f"clients-{node}", signal.SIGTERM, timeout=15)
             if self.cp.pid(f"clients-{node}") is not None:
                 self.fleet.stop_proc(f"clients-{node}", signal.SIGKILL)
@@ -420,50 +474,51 @@ class Cell:
         self.sampler = observe.Sampler(cp, fleet.nodes, period=1.0)
         self.writer = Writer(cp)
         monitor = Monitor(fleet)
+        peers = {fleet.state["nodes"][n]["ip"]: n for n in fleet.nodes}
+
+        def conns() -> None:
+            cpu = {n: (cost.proc_usage(cp.pid(n), tree=False) or {}).get("cpu_s")
+                   for n in (*cphost.APISERVERS, "etcd")}
+            self.cpu_series.append((time.time(), cpu))
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                per = observe.connections(cp, peers)
+                self.conn_series.append((time.time(), {
+                    a: sum(v for k, v in per[a].items() if k in peers.values())
+                    for a in cphost.APISERVERS}))
+
+        conn_every = observe.Every("compare-connections", CONN_PERIOD, conns, CELL_MAX_S)
         self._start_clients(CELL_MAX_S)
         self.sampler.start()
         self.writer.every.start()
         monitor.every.start()
+        conn_every.start()
         try:
             return self._run(t_cell, monitor)
         finally:
+            conn_every.stop()
             monitor.every.stop()
             self.writer.every.stop()
             self.sampler.stop()
             self._stop_clients()
 
     def _settle(self) -> float:
-        """Every node Ready and its Lease renewed SETTLE_RENEWALS times from now."""
-        t0 = time.time()
-        limit = SETTLE_RENEWALS * RENEW + 40
-        deadline = time.monotonic() + limit
-        for _ in range(int(limit / 0.5) + 1):
-            fleet = self.fleet
-            fleet.check_alive()
-            fresh = {n: sum(1 for t in self.sampler.renewals.get(n, ()) if t > t0)
-                     for n in fleet.nodes}
-            last = self.sampler.samples[-1] if self.sampler.samples else None
-            if (last is not None and last.t > t0 and not last.not_ready
-                    and min(fresh.values()) >= SETTLE_RENEWALS):
-                return time.time() - t0
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        raise FleetError(f"fleet not settled in {limit:g}s: renewals since {fresh}, "
-                         f"not ready {last and last.not_ready}")
+        return settle(self.fleet, self.sampler)
 
     def _run(self, t_cell: float, monitor: Monitor) -> dict[str, Any]:
         cp, fleet = self.cp, self.fleet
         settle_s = self._settle()
         kube_before = kubelet_requests(fleet)
-        cpu_before = {n: cpu_ticks(cp.pid(f"lb-{n}")) for n in fleet.nodes}
+        pid_before = {n: cp.pid(f"lb-{n}") for n in fleet.nodes}
+        cpu_before = {n: cpu_ticks(pid_before[n]) for n in fleet.nodes}
         kubelet_apis_before = observe.kubelet_apis(cp, fleet)
         # The kubectl watches' servers (the request loop's connections live ~10 ms).
-        watch_apis_before = observe.kubelet_apis(cp, fleet, owner="kubectl")
+        watch_apis_before = observe.kubelet_apis(cp, fleet, owner="kubectl", nodes=self.clients)
+        req_before = request_snapshot(cp)
         t_wall0 = time.monotonic()
         t_fault = time.time()
         target = self._fault(kubelet_apis_before, watch_apis_before, t_fault)
         t_end = time.time()
+        req_after = request_snapshot(cp)
         wall = time.monotonic() - t_wall0
         peers = {fleet.state["nodes"][n]["ip"]: n for n in fleet.nodes}
         conns = observe.connections(cp, peers)
@@ -471,14 +526,21 @@ class Cell:
                    for a in cphost.APISERVERS}
         kubelet_apis_after = observe.kubelet_apis(cp, fleet)
         kube_after = kubelet_requests(fleet)
-        cpu_s = {n: (cpu_ticks(cp.pid(f"lb-{n}")) - cpu_before[n]) / os.sysconf("SC_CLK_TCK")
-                 for n in fleet.nodes}
+        # A balancer replaced in the window (the upgrade): its successor's CPU from its start
+        # (what the old one spent after the window's start is not counted).
+        cpu_s = {n: (cpu_ticks(cp.pid(f"lb-{n}"))
+                     - (cpu_before[n] if cp.pid(f"lb-{n}") == pid_before[n] else 0))
+                 / os.sysconf("SC_CLK_TCK") for n in fleet.nodes}
         self._stop_clients()
         gaps = self.sampler.lease_gaps(since=t_fault, until=t_end)
         not_ready = self.sampler.not_ready(since=t_fault)
         watch = {n: watch_figures(fleet.node_dir(n) / f"clients-{self.fault}.jsonl",
-                                  self.writer.written, t_fault, t_end) for n in fleet.nodes}
+                                  self.writer.written, t_fault, t_end) for n in self.clients}
         mean = sum(per_api.values()) / len(per_api)
+        kubelets_per_api = {a: sum(a in v for v in kubelet_apis_after.values())
+                            for a in cphost.APISERVERS}
+        series = [(round(t - t_fault, 1), c) for t, c in self.conn_series if t >= t_fault - 1]
+        ready_rel = round(self.t_ready - t_fault, 1) if self.t_ready else None
         return {
             "fault": self.fault, "lb": self.lb, "target": target,
             "nodes": len(fleet.nodes), "settle_s": round(settle_s, 1),
@@ -496,12 +558,31 @@ class Cell:
             "watch": watch,
             "connections_after": per_api,
             "skew_after": round(max(per_api.values()) / mean, 2) if mean else None,
+            "kubelets_after": kubelets_per_api,
+            "kubelet_skew_after": skew(kubelets_per_api),
+            "connections_series": series,
+            "last_ready_s": ready_rel,
+            "skew_at_ready": skew_at(series, ready_rel) if ready_rel is not None else None,
+            "time_to_skew_s": (time_to_skew(series, ready_rel, SKEW_TARGET)
+                               if ready_rel is not None else None),
+            "client_nodes": self.clients,
+            "upgrade": self.upgrade,
+            # The control plane over the fault: each server's requests/s by kind (its own
+            # counters; a restarted server's count from its start) and its CPU over 5 s
+            # steps (the stampede on the survivors: peak against before the fault).
+            "requests_per_s": {a: cost.request_rates(req_before[a], req_after[a],
+                                                     t_end - t_fault)
+                               for a in cphost.APISERVERS
+                               if a in req_before and a in req_after},
+            "server_cpu": cpu_peaks(self.cpu_series, t_fault, t_end),
             "kubelet_apis_before": kubelet_apis_before,
             "watch_apis_before": watch_apis_before,
-            "exposed": {"kubelets": sum(1 for v in kubelet_apis_before.values()
-                                        if set(v) & set(target.split(","))),
-                        "watches": sum(1 for v in watch_apis_before.values()
-                                       if set(v) & set(target.split(",")))},
+            "exposed": ({"kubelets": len(fleet.nodes), "watches": len(self.clients)}
+                        if self.fault == "upgrade" else
+                        {"kubelets": sum(1 for v in kubelet_apis_before.values()
+                                         if set(v) & set(target.split(","))),
+                         "watches": sum(1 for v in watch_apis_before.values()
+                                        if set(v) & set(target.split(",")))}),
             "kubelet_apis_after": kubelet_apis_after,
             "lb_cpu_s": {n: round(v, 2) for n, v in cpu_s.items()},
             "lb_cpu_pct": {n: round(100 * v / wall, 1) for n, v in cpu_s.items()},
@@ -515,12 +596,70 @@ class Cell:
 
     # -- the faults --
 
+    def _upgrade(self, t0: float) -> str:
+        """Every node's balancer replaced, one node after another on each of
+        upgrade_surge(N) lanes (a DaemonSet's maxSurge), UPGRADE_PACE_S between two nodes
+        of a lane, the old instances draining meanwhile; watched until the last old one
+        exited plus AFTER_S."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        fleet = self.fleet
+        if fleet.state["lb"] != "extractedprism":
+            raise FleetError("upgrade: only extractedprism hands its listeners over")
+        olds: list[tuple[str, Any, int | None, float]] = []
+        took: dict[str, float | None] = {}
+        gen = 1 + max((int(m.group(1)) for n in fleet.nodes
+                       for a in fleet.state["nodes"][n].get("lb_extra", [])
+                       if (m := re.search(r"extractedprism-u(\d+)\.admin", a))), default=0)
+        lanes = upgrade_surge(len(fleet.nodes))
+
+        def lane(nodes: list[str]) -> None:
+            for node in nodes:
+                old, old_pid, took[node] = _upgrade_node(self, node, gen)
+                olds.append((node, old, old_pid, time.time()))
+                time.sleep(UPGRADE_PACE_S)
+
+        with ThreadPoolExecutor(lanes, thread_name_prefix="compare-upgrade-lane") as ex:
+            for f in [ex.submit(lane, fleet.nodes[i::lanes]) for i in range(lanes)]:
+                f.result()
+        fleet.check_alive()
+        t_last = time.time()
+        exited: list[float] = []
+        killed = []
+        for node, old, old_pid, t_term in olds:
+            if old is None:
+                continue
+            try:
+                old.wait(max(1.0, t_term + PROXY_EXIT_TIMEOUT - time.time()))
+                exited.append(time.time() - t_term)  # an upper bound: waited in turn
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(old_pid, signal.SIGKILL)
+                old.wait(10)
+                killed.append(node)
+        failed = sorted(n for n, v in took.items() if v is None)
+        ok = sorted(v for v in took.values() if v is not None)
+        self.notes.append(
+            f"{len(ok)} of {len(took)} new instances took the listeners over"
+            + (f" (median {ok[len(ok) // 2]:.2f} s, max {ok[-1]:.2f} s after start)" if ok else "")
+            + (f"; NOT: {', '.join(failed)}" if failed else "")
+            + f"; the roll took {t_last - t0:.0f} s on {lanes} lane(s)"
+            + (f"; old instances gone within {max(exited):.0f} s of SIGTERM" if exited else "")
+            + (f"; SIGKILL after {PROXY_EXIT_TIMEOUT:g} s: {', '.join(killed)}" if killed else ""))
+        self.upgrade = {"took_s": took, "not_taken": failed, "killed": killed,
+                        "roll_s": round(t_last - t0, 1), "lanes": lanes}
+        self._sleep_until(max(t0 + WATCH_MIN, time.time() + AFTER_S))
+        return "every balancer"
+
     def _fault(self, kubelet_apis: dict[str, list[str]], watch_apis: dict[str, list[str]],
                t0: float) -> str:
         cp = self.cp
+        if self.fault == "upgrade":
+            return self._upgrade(t0)
         if self.fault == "scaleout":
             cp.start("api3", cp.extra_args("api3"))
             took = cp.wait_ready(["api3"], timeout=READY_TIMEOUT)
+            self.t_ready = time.time()
             self.notes.append(f"api3 ready and in the slice {took:.1f}s after start")
             self._sleep_until(max(t0 + WATCH_MIN, time.time() + self.settle_after_s))
             return "api3"
@@ -538,6 +677,7 @@ class Cell:
                                   f"{'' if clean else ' (SIGKILL)'}, ready {ready:.1f}s "
                                   "after start")
                 t_last = time.time()
+            self.t_ready = t_last
             self._avoid(set())
             self._sleep_until(max(t_last + self.settle_after_s, t0 + WATCH_MIN))
             return "api1,api2,api3"
@@ -572,6 +712,225 @@ class Cell:
         self._sleep_until(end)
         self._avoid(set())
         return target
+
+
+def pick_spread(nodes: list[str], k: int) -> list[str]:
+    """At most ``k`` of ``nodes``, evenly spread over the list (all of them if k >= n)."""
+    if k >= len(nodes):
+        return list(nodes)
+    if k <= 0:
+        return []
+    return [nodes[(i * len(nodes)) // k] for i in range(k)]
+
+
+def skew(per_api: dict[str, int]) -> float | None:
+    """max/mean of connections over the API servers (None with none at all)."""
+    if not per_api:
+        return None
+    mean = sum(per_api.values()) / len(per_api)
+    return round(max(per_api.values()) / mean, 2) if mean else None
+
+
+def skew_at(series: list[tuple[float, dict[str, int]]], t: float) -> float | None:
+    """The skew of the first sample at or after ``t`` (seconds from the fault)."""
+    return next((skew(c) for ts, c in series if ts >= t), None)
+
+
+def time_to_skew(series: list[tuple[float, dict[str, int]]], t: float,
+                 target: float) -> float | None:
+    """Seconds from ``t`` until the skew is at most ``target`` and stays there to the end
+    of ``series`` (samples ``(seconds from the fault, {api: connections})``); None when
+    it never does (or no sample follows ``t``)."""
+    after = [(ts, skew(c)) for ts, c in series if ts >= t]
+    if not after:
+        return None
+    since = None
+    for ts, k in after:
+        within = k is not None and k <= target
+        since = (since if since is not None else ts) if within else None
+    return None if since is None else round(since - t, 1)
+
+
+def settle(fleet: Fleet, sampler: observe.Sampler) -> float:
+    """Every node Ready and its Lease renewed SETTLE_RENEWALS times from now (the sampler
+    running); seconds it took."""
+    t0 = time.time()
+    limit = SETTLE_RENEWALS * RENEW + 40 + len(fleet.nodes) * 0.5
+    deadline = time.monotonic() + limit
+    fresh: dict[str, int] = {}
+    last = None
+    for _ in range(int(limit / 0.5) + 1):
+        fleet.check_alive()
+        fresh = {n: sum(1 for t in sampler.renewals.get(n, ()) if t > t0) for n in fleet.nodes}
+        last = sampler.samples[-1] if sampler.samples else None
+        if (last is not None and last.t > t0 and not last.not_ready
+                and min(fresh.values()) >= SETTLE_RENEWALS):
+            return time.time() - t0
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    short = {n: c for n, c in fresh.items() if c < SETTLE_RENEWALS}
+    raise FleetError(f"fleet not settled in {limit:g}s: nodes renewed fewer than "
+                     f"{SETTLE_RENEWALS} times {short}, not ready {last and last.not_ready}")
+
+
+def request_snapshot(cp: Any, timeout: float = 10.0) -> dict[str, Any]:
+    """Each running API server's request counters and open watches (its /metrics)."""
+    import ssl
+
+    out = {}
+    for api in cphost.APISERVERS:
+        if cp.pid(api) is None:
+            continue
+        with contextlib.suppress(OSError, ssl.SSLError, ValueError):
+            status, body = cp.request(api, "/metrics", timeout=timeout)
+            if status == 200 and isinstance(body, str):
+                out[api] = cost.snapshot_requests(body)
+    return out
+
+
+def cpu_peaks(series: list[tuple[float, dict[str, float | None]]], t0: float, t1: float,
+              ) -> dict[str, dict[str, float | None]]:
+    """Per server (API servers, etcd), from CPU-seconds samples: its mean CPU (% of a
+    core) before ``t0``, over [t0, t1], and its highest between two samples in it."""
+    out: dict[str, dict[str, float | None]] = {}
+    names = sorted({n for _, c in series for n in c})
+    for name in names:
+        steps = []
+        for (ta, a), (tb, b) in itertools.pairwise(series):
+            va, vb = a.get(name), b.get(name)
+            if va is None or vb is None or vb < va or tb <= ta:
+                continue  # not running, or restarted in between
+            steps.append((ta, tb, 100 * (vb - va) / (tb - ta)))
+
+        def mean(xs: list[tuple[float, float, float]]) -> float | None:
+            span = sum(b - a for a, b, _ in xs)
+            return round(sum((b - a) * v for a, b, v in xs) / span, 1) if span else None
+
+        before = [x for x in steps if x[1] <= t0]
+        during = [x for x in steps if x[0] >= t0 and x[1] <= t1]
+        out[name] = {"before_pct": mean(before), "during_pct": mean(during),
+                     "peak_pct": round(max(v for _, _, v in during), 1) if during else None}
+    return out
+
+
+def cost_snapshot(cp: Any, fleet: Fleet) -> dict[str, Any]:
+    """The API servers' request counters and open watches (their own /metrics), CPU, RSS
+    and threads of the API servers, etcd, each balancer and each kubelet (/proc), the
+    established connections from the nodes per API server."""
+    requests = request_snapshot(cp, timeout=30)
+    t = time.time()
+    procs = {n: cost.proc_usage(cp.pid(n), tree=False) for n in (*cphost.APISERVERS, "etcd")}
+    for node in fleet.nodes:
+        procs[f"lb-{node}"] = cost.proc_usage(cp.pid(f"lb-{node}"))
+        procs[f"kubelet-{node}"] = cost.proc_usage(cp.pid(f"kubelet-{node}"))
+    peers = {fleet.state["nodes"][n]["ip"]: n for n in fleet.nodes}
+    per = observe.connections(cp, peers)
+    conns = {a: sum(v for k, v in per[a].items() if k in fleet.nodes) for a in cphost.APISERVERS}
+    return {"t": t, "requests": requests, "procs": procs, "conns": conns}
+
+
+class QuietCell:
+    """No fault: what the fleet and its balancers cost the control plane at rest.
+
+    The fleet settles (every node Ready, every Lease renewed twice) with the sampler on,
+    then the sampler stops and nothing but the fleet talks to the API servers (no extra
+    clients, no writer) for QUIET_WARMUP_S and the window; the API servers' /metrics and
+    /proc are read at its start, middle and end (epscripts.fleet.cost)."""
+
+    def __init__(self, cp: Any, fleet: Fleet, lb: str, window_s: float) -> None:
+        self.cp, self.fleet, self.lb, self.window_s = cp, fleet, lb, window_s
+
+    def _sleep_until(self, t: float) -> None:
+        for _ in range(int(self.window_s + QUIET_WARMUP_S + CELL_MAX_S)):
+            if time.time() >= t:
+                return
+            self.fleet.check_alive()
+            time.sleep(min(1.0, max(0.0, t - time.time())))
+
+    def run(self) -> dict[str, Any]:
+        cp, fleet = self.cp, self.fleet
+        t_cell = time.monotonic()
+        sampler = observe.Sampler(cp, fleet.nodes, period=1.0)
+        sampler.start()
+        try:
+            settle_s = settle(fleet, sampler)
+        finally:
+            sampler.stop()
+        load: list[float] = []
+        every = observe.Every("compare-load", 2.0, lambda: load.append(loadavg()),
+                              QUIET_WARMUP_S + self.window_s + 120)
+        every.start()
+        try:
+            self._sleep_until(time.time() + QUIET_WARMUP_S)
+            snaps = [cost_snapshot(cp, fleet)]
+            t0 = snaps[0]["t"]
+            n_load0 = len(load)
+            self._sleep_until(t0 + self.window_s / 2)
+            snaps.append(cost_snapshot(cp, fleet))
+            n_load1 = len(load)
+            self._sleep_until(t0 + self.window_s)
+            snaps.append(cost_snapshot(cp, fleet))
+        finally:
+            every.stop()
+        conds = observe.node_conditions(cp) or {}
+        figures = cost.window_figures(snaps, list(cphost.APISERVERS), fleet.nodes)
+
+        def lstat(xs: list[float]) -> dict[str, float]:
+            return {"mean": round(sum(xs) / max(1, len(xs)), 2), "max": max(xs, default=0.0)}
+
+        return {
+            "fault": "quiet", "lb": self.lb, "nodes": len(fleet.nodes),
+            "settle_s": round(settle_s, 1), "window_s": round(snaps[-1]["t"] - t0, 1),
+            "warmup_s": QUIET_WARMUP_S, "cost": figures,
+            "not_ready_end": sorted(n for n in fleet.nodes
+                                    if (conds.get(n) or {}).get("ready") != "True"),
+            "load": lstat(load[n_load0:]),
+            "load_halves": [lstat(load[n_load0:n_load1]), lstat(load[n_load1:])],
+            "cell_s": round(time.monotonic() - t_cell, 1),
+        }
+
+
+_FLEET_STATE = threading.Lock()
+
+
+def upgrade_surge(n: int) -> int:
+    """Nodes upgraded at the same time (the DaemonSet's maxSurge): 1 in a small fleet (the
+    chart's maxSurge: 1), 5 % of a large one, so 100 nodes take minutes, not half an hour."""
+    return max(1, n // 20)
+
+
+def _upgrade_node(cell: Cell, node: str, gen: int) -> tuple[Any, int | None, float | None]:
+    """One node's balancer replaced as the chart's DaemonSet roll replaces it: the new
+    instance (its own admin socket) takes the listeners over through the handover socket,
+    then the old one gets SIGTERM. Returns (the old one's Popen, its pid, seconds until
+    the new one took over; None: it did not)."""
+    cp, fleet = cell.cp, cell.fleet
+    name = f"lb-{node}"
+    old_pid = cp.pid(name)
+    old = cp._children.get(name)  # our Popen of it: reaped by the caller
+    log_path = Path(cp.dir) / f"{name}.log"
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    extra = [a for a in fleet.state["nodes"][node].get("lb_extra", [])
+             if not a.startswith("--admin-socket=")]
+    extra.append(f"--admin-socket={balancers.NODE_DIR}/extractedprism-u{gen}.admin")
+    t = time.time()
+    with _FLEET_STATE:  # the fleet's and the plane's state are written by one lane at a time
+        fleet.start_balancer(node, "extractedprism", cell.ep_cmd, None,
+                             fleet._node_files(node, extra))
+    took = None
+    deadline = time.monotonic() + HANDOVER_TIMEOUT
+    while time.monotonic() < deadline and cp.pid(name) is not None:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            if b"took over listeners" in f.read():
+                took = time.time() - t
+                break
+        time.sleep(0.1)
+    if old_pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(old_pid, signal.SIGTERM)
+    return old, old_pid, took
 
 
 def fleet_api(cp: Any) -> str:
@@ -619,7 +978,8 @@ def watch_figures(path: Path, written: list[tuple[int, float]], t0: float,
 
 def run_balancer(lb: str, faults: list[str], nodes: int, ep_cmd: list[str],
                  go_bin: str | None, extra: list[str], settle_after_s: float,
-                 results: list[dict[str, Any]]) -> None:
+                 results: list[dict[str, Any]], quiet_s: float = QUIET_S,
+                 client_nodes: int = CLIENT_NODES) -> None:
     """Every fault of ``faults`` through ``lb`` (a name of LBS) on one control plane."""
     cp = cpplane.ControlPlane.create(owner_pid=os.getpid())
     fleet: Fleet | None = None
@@ -638,15 +998,18 @@ def run_balancer(lb: str, faults: list[str], nodes: int, ep_cmd: list[str],
             stop_api(cp, "api3")
         fleet = Fleet(cp)
         took = fleet.up(nodes, LBS[lb][0], ep_cmd=ep_cmd, go_original_bin=go_bin, lb_extra=extra,
-                        controllers_api="api1", timeout=READY_TIMEOUT)
+                        controllers_api="api1", timeout=READY_TIMEOUT + 2 * nodes)
         _log(f"{lb}: {nodes} nodes Ready in {took:.1f}s")
         for fault in faults:
             if fault != "scaleout" or faults[0] != "scaleout":
                 restore(cp, fleet, without={"api3"} if fault == "scaleout" else set())
             _log(f"{lb}: {fault} ...")
             try:
-                row = Cell(cp, fleet, fault, cp.binary("kubectl"), lb,
-                           settle_after_s).run()
+                if fault == "quiet":
+                    row = QuietCell(cp, fleet, lb, quiet_s).run()
+                else:
+                    row = Cell(cp, fleet, fault, cp.binary("kubectl"), lb,
+                               settle_after_s, client_nodes, ep_cmd).run()
             except (FleetError, cphost.CPError, TimeoutError, OSError) as exc:
                 row = {"fault": fault, "lb": lb, "error": f"{type(exc).__name__}: {exc}"[:2000]}
                 _log(f"{lb}: {fault} failed: {row['error']}")
@@ -677,6 +1040,12 @@ def fleet_alive(fleet: Fleet) -> bool:
 def summary(row: dict[str, Any]) -> str:
     if "error" in row:
         return f"ERROR {row['error'][:200]}"
+    if row["fault"] == "quiet":
+        c = row["cost"]
+        cpu = {a: (v or {}).get("cpu_pct") for a, v in c["servers"].items()}
+        return (f"{row['window_s']}s; connections {c['connections']}; requests/s "
+                f"{c['requests_per_s_total']}; CPU % {cpu}; balancer {c['balancer']}; "
+                f"load {row['load']}")
     w = row["watch"]
     return (f"NotReady {sorted(row['not_ready']) or 'none'}; Lease gap {row['lease_gap_max_s']}s;"
             f" kubelet failed {sum(row['kubelet_failed'].values())}; watch gap "
@@ -735,17 +1104,34 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated balancers, of {', '.join(LBS)} (default: all; "
                    "go-original needs --go-original-bin; extractedprism-stall runs only "
                    "the stop and partition faults)")
-    p.add_argument("--nodes", type=int, default=NODES_DEFAULT)
+    p.add_argument("--nodes", type=int, default=NODES_DEFAULT,
+                   help=f"hollow nodes per balancer (default {NODES_DEFAULT}; another size "
+                   f"writes {RESULTS_FLEET} and its own section of {DOC})")
+    p.add_argument("--quiet-window", type=float, default=QUIET_S, metavar="SECONDS",
+                   help=f"the quiet cell's window (default {QUIET_S:g})")
+    p.add_argument("--quiet-only", default="", metavar="LBS",
+                   help="comma-separated balancers measured only in the quiet cell (e.g. "
+                   "the faults at fleet size for some balancers, the cost for all, in one run)")
+    p.add_argument("--client-nodes", type=int, default=CLIENT_NODES, metavar="K",
+                   help="the extra clients (watch, request loop) run on at most K nodes, "
+                   f"evenly spread (default {CLIENT_NODES})")
     p.add_argument("--go-original-bin", help="lexfrei/extractedprism, built by hand")
     p.add_argument("--ep-cmd", help="command that runs extractedprism (default: "
                    f"{' '.join(relative_argv(default_ep_cmd()))})")
-    p.add_argument("--results", default=RESULTS, help="JSON results (relative: to the repo)")
+    p.add_argument("--results", help=f"JSON results (relative: to the repo; default "
+                   f"{RESULTS}, or {RESULTS_FLEET} at another --nodes)")
     p.add_argument("--doc", default=DOC, help="the rendered document (relative: to the repo)")
     p.add_argument("--merge", action="store_true",
                    help="keep the cells of --results this run does not measure")
     p.add_argument("--render-only", action="store_true", help="only render --results")
     args = p.parse_args(argv)
-    results_path = repo_root() / args.results
+    if not 1 <= args.nodes <= MAX_NODES:
+        p.error(f"--nodes must be 1..{MAX_NODES}")
+    if args.quiet_window < 10:
+        p.error("--quiet-window must be at least 10 s")
+    section = "main" if args.nodes == NODES_DEFAULT else "fleet"
+    results_path = repo_root() / (args.results or (RESULTS if section == "main"
+                                                   else RESULTS_FLEET))
     doc_path = repo_root() / args.doc
     if args.render_only:
         compare_doc.write(doc_path, json.loads(results_path.read_text()))
@@ -755,11 +1141,18 @@ def main(argv: list[str] | None = None) -> int:
     bad = [f for f in faults if f not in FAULTS] + [b for b in lbs if b not in LBS]
     if bad:
         p.error(f"unknown fault or balancer: {', '.join(bad)}")
-    faults = [f for f in FAULTS if f in faults]  # scaleout first: the fleet starts on two
-    lbs = [b for b in LBS if b in lbs]
+    # In the order given (at fleet size: what matters most first), but scaleout first: the
+    # fleet starts on two API servers for it.
+    faults = sorted(dict.fromkeys(faults), key=lambda f: f != "scaleout")
+    # Measured in the order given (at fleet size: what matters most first); the
+    # document's columns keep LBS's order.
+    lbs = list(dict.fromkeys(lbs))
     ep_cmd = args.ep_cmd.split() if args.ep_cmd else default_ep_cmd()
     skipped: dict[str, str] = {}
-    lb_faults = {b: [f for f in faults if LBS[b][2] is None or f in LBS[b][2]] for b in lbs}
+    quiet_only = {b for b in args.quiet_only.split(",") if b}
+    if quiet_only - set(LBS):
+        p.error(f"unknown balancer in --quiet-only: {', '.join(sorted(quiet_only - set(LBS)))}")
+    lb_faults = {b: faults_for(b, faults, quiet_only) for b in lbs}
     for lb in list(lbs):
         why = balancers.missing(LBS[lb][0], ep_cmd, args.go_original_bin)
         if why or not lb_faults[lb]:
@@ -771,7 +1164,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(LBS[b][0] == "extractedprism" for b in lbs):
         profile, profile_source = read_profile(ep_cmd)
         _log(f"extractedprism's profile: {' '.join(profile)} (from {profile_source})")
-    extras = {b: lb_extra(b, profile) for b in lbs}
+    extras = {b: lb_extra(b, profile) + (UPGRADE_FLAGS if "upgrade" in lb_faults[b] else [])
+              for b in lbs}
     if "extractedprism-stall" in lbs and not extras["extractedprism-stall"]:
         skipped["extractedprism-stall"] = "the profile has no --stall-timeout"
         lbs.remove("extractedprism-stall")
@@ -801,7 +1195,10 @@ def main(argv: list[str] | None = None) -> int:
     run_argv = relative_argv(["scripts/compare",
                               *(argv if argv is not None else sys.argv[1:])])
     doc = {"started": RUN_STARTED[0], "argv": run_argv, "commit": commit,
-           "nodes": args.nodes, "faults": faults, "lbs": lbs, "skipped": skipped,
+           "section": section, "nodes": args.nodes, "faults": faults,
+           "lbs": [b for b in LBS if b in lbs],
+           "skipped": skipped, "quiet_window_s": args.quiet_window,
+           "quiet_warmup_s": QUIET_WARMUP_S, "client_nodes": args.client_nodes,
            "profile": profile, "profile_source": profile_source,
            "variants": {b: {"kind": LBS[b][0], "extra": extras[b], "faults": lb_faults[b]}
                         for b in lbs},
@@ -841,7 +1238,8 @@ def main(argv: list[str] | None = None) -> int:
             n = len(results)
             try:
                 run_balancer(lb, lb_faults[lb], args.nodes, ep_cmd, args.go_original_bin,
-                             extras[lb], settle_s, results)
+                             extras[lb], settle_s, results, args.quiet_window,
+                             args.client_nodes)
             except (FleetError, cphost.CPError, TimeoutError, OSError) as exc:
                 _log(f"{lb}: {type(exc).__name__}: {exc}")
                 done = {r["fault"] for r in results[n:]}

@@ -14,10 +14,17 @@ from typing import Any
 
 HOWTO = Path(__file__).with_name("compare_howto.md")  # the static part, with fields
 NOTES_RX = re.compile(r"<!-- notes -->\n(.*?)<!-- /notes -->", re.S)
-FAULTS = ("scaleout", "kill", "stop", "partition", "rolling")
+# The section of a run at another size than 3 nodes (scripts/compare --nodes N), kept when
+# the 3-node part is rendered again and replaced when such a run renders its own; its own
+# reading between the fleet-notes markers is kept too.
+FLEET_RX = re.compile(r"<!-- fleet -->\n.*?<!-- /fleet -->\n", re.S)
+FLEET_NOTES_RX = re.compile(r"<!-- fleet-notes -->\n(.*?)<!-- /fleet-notes -->", re.S)
+FAULTS = ("scaleout", "kill", "stop", "partition", "rolling", "upgrade")
 NAMES = {"extractedprism": "extractedprism", "haproxy": "HAProxy", "nginx": "nginx",
          "go-original": "Go original",
-         "extractedprism-stall": "extractedprism, spec timings + stall check"}
+         "extractedprism-stall": "extractedprism, spec timings + stall check",
+         "extractedprism-spec": "extractedprism, spec defaults"}
+BRIEF_NODES = 10  # above this many nodes a cell's details are summed up, not listed per node
 OURS = "extractedprism"  # as shipped: the one the targets and the peers are compared with
 PEERS = ("haproxy", "nginx", "go-original")
 FAULT_TITLES = {
@@ -26,9 +33,12 @@ FAULT_TITLES = {
     "stop": "SIGSTOP of the API server carrying most kubelets for 30 s",
     "partition": "The API server carrying most kubelets cut off from etcd for 60 s",
     "rolling": "Rolling restart: SIGTERM, exit, start, ready; api1, api2, api3",
+    "upgrade": "Fleet-wide upgrade of the balancer: every node's replaced in turn, with the "
+               "listener handover",
 }
 FAULT_SHORT = {"scaleout": "scale-out", "kill": "kill -9", "stop": "SIGSTOP 30 s",
-               "partition": "etcd partition 60 s", "rolling": "rolling restart"}
+               "partition": "etcd partition 60 s", "rolling": "rolling restart",
+               "upgrade": "balancer upgrade"}
 # (label, function of a row -> comparable number or None, tolerance): lower is better;
 # figures closer than the tolerance count as the same. Lease gaps: the kubelet renews at
 # 10 s with jitter of a few hundred ms; watch and request gaps: the writer's and the
@@ -62,7 +72,12 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], float | str]] = {
     "connection skew after (max/mean)": ("connection skew at most 1.25 at the end of the "
                                          "window after the roll and the scale-out",
                                          ("scaleout", "rolling"), 1.25),
+    "kubelet requests failed": ("no kubelet request failed while every balancer was "
+                                "replaced", ("upgrade",), 0),
 }
+# Where a target's bound differs for one fault: the fleet-wide upgrade has no peer (only
+# extractedprism hands its listeners over) and the issue asks for no failure at all.
+TARGET_BOUND = {("request loop: failed", "upgrade"): 0}
 
 
 def _fmt(value: Any) -> str:
@@ -89,7 +104,7 @@ def target(fault: str, label: str, rows: dict[str, dict[str, Any]],
     verdict are None when either side was not measured."""
     if label not in TARGETS or fault not in TARGETS[label][1]:
         return None
-    bound = TARGETS[label][2]
+    bound = TARGET_BOUND.get((label, fault), TARGETS[label][2])
     ours = rows.get(OURS)
     mine = METRIC[label](ours) if _ok(ours) else None
     if bound == "best peer":
@@ -129,8 +144,8 @@ def targets_table(by: dict[str, dict[str, dict[str, Any]]], faults: list[str]) -
                 cells.append("")
                 continue
             text, mine, ok = t
-            if mine is None:
-                cells.append("not measured")
+            if mine is None or ok is None:
+                cells.append("not measured" if mine is None else f"{_fmt(mine)} ({text})")
                 continue
             total += 1
             met += bool(ok)
@@ -269,6 +284,268 @@ def portable(arg: str) -> str:
     return "DIR/" + parts[-1]
 
 
+def share_at(row: dict[str, Any], api: str, at: float) -> float | None:
+    """``api``'s share of the nodes' connections in the first sample ``at`` s or more
+    after the last server was ready (None without such a sample)."""
+    ready = row.get("last_ready_s")
+    if ready is None:
+        return None
+    for ts, conns in row.get("connections_series", []):
+        if ts >= ready + at:
+            total = sum(conns.values())
+            return round(conns.get(api, 0) / total, 2) if total else None
+    return None
+
+
+def _never(key: str) -> Any:
+    """A figure that is None when the thing never happened in the window (and absent from
+    cells of runs before it was recorded)."""
+    def fn(r: dict[str, Any]) -> Any:
+        if "connections_series" not in r:
+            return None
+        return r.get(key) if r.get(key) is not None else "never in the window"
+    return fn
+
+
+def survivors_cpu(row: dict[str, Any]) -> str | None:
+    """The API servers not under the fault: their CPU together before it, during it, and
+    the highest 5 s step of one of them in it (% of a core)."""
+    cpu = row.get("server_cpu")
+    if not cpu:
+        return None
+    hit = set(row["target"].split(","))
+    rest = [v for a, v in cpu.items() if a.startswith("api") and a not in hit]
+
+    def total(key: str) -> str:
+        vals = [v[key] for v in rest if v.get(key) is not None]
+        return f"{sum(vals):.0f}" if vals else "-"
+
+    peaks = [v["peak_pct"] for v in rest if v.get("peak_pct") is not None]
+    return f"{total('before_pct')} / {total('during_pct')} ({max(peaks, default=0):.0f})"
+
+
+def survivors_requests(row: dict[str, Any]) -> str | None:
+    """Requests/s on the API servers not under the fault over it: the kubelets' and the
+    control plane's, and the probes."""
+    rates = row.get("requests_per_s")
+    if not rates:
+        return None
+    hit = set(row["target"].split(","))
+    rest = [v for a, v in rates.items() if a not in hit]
+    return (f"{sum(v['kubelets+control plane'] for v in rest):.1f}; "
+            f"{sum(v['probes'] for v in rest):.1f}")
+
+
+_STAMPEDE = [
+    ("survivors' CPU together, % of a core: before / during (highest 5 s of one)",
+     survivors_cpu),
+    ("survivors' requests/s during: kubelets + control plane; probes", survivors_requests),
+]
+# Rows shown only where some cell has them (cells of earlier runs do not).
+EXTRA_ROWS: dict[str, list[tuple[str, Any]]] = {
+    "kill": _STAMPEDE, "stop": _STAMPEDE, "partition": _STAMPEDE,
+    "rolling": [
+        ("kubelets' connections: skew after (max/mean)", lambda r: r.get("kubelet_skew_after")),
+        ("connection skew when the last server was ready", lambda r: r.get("skew_at_ready")),
+        ("time from then until skew ≤ 1.25 for good (s)", _never("time_to_skew_s")),
+    ],
+    "upgrade": [
+        ("new instances that took the listeners over", lambda r: None if not r.get("upgrade")
+         else f"{len(r['upgrade']['took_s']) - len(r['upgrade']['not_taken'])} of "
+              f"{len(r['upgrade']['took_s'])}"),
+        ("the roll, node after node (s)", lambda r: (r.get("upgrade") or {}).get("roll_s")),
+    ],
+    "scaleout": [
+        ("kubelets' connections: skew after (max/mean)", lambda r: r.get("kubelet_skew_after")),
+        ("time from api3 ready until skew ≤ 1.25 for good (s)", _never("time_to_skew_s")),
+        ("api3's share of connections +10 / +30 / +60 s after ready", lambda r: (
+            None if "connections_series" not in r else " / ".join(
+                _fmt(share_at(r, "api3", t)) for t in (10, 30, 60)))),
+    ],
+}
+
+
+def _brief(row: dict[str, Any]) -> str:
+    """A cell's details summed up over its nodes (a large fleet)."""
+    if "error" in row:
+        return f"error: `{row['error'][:400]}`"
+    gaps = sorted(row["lease_gaps_s"].values())
+    failed = {n: v for n, v in row["kubelet_failed"].items() if v}
+    w = row["watch"]
+    rss = list(row["lb_rss_mib"].values())
+    cpu = list(row["lb_cpu_s"].values())
+    nr = sorted(row["not_ready"])
+    return "; ".join(x for x in [
+        f"run {row['run']}" if row.get("run") else "",
+        f"target {row['target']}",
+        f"NotReady {len(nr)} ({', '.join(nr[:10])}{', ...' if len(nr) > 10 else ''})"
+        if nr else "",
+        f"Lease gaps median {gaps[len(gaps) // 2]:g}, max {gaps[-1]:g} s over {len(gaps)} nodes"
+        if gaps else "",
+        f"kubelet requests failed on {len(failed)} nodes, {sum(failed.values())} in all"
+        if failed else "no kubelet request failed",
+        f"clients on {len(w)} nodes: watch gap max "
+        f"{max((v['gap_max_s'] for v in w.values()), default=0):g} s, reconnects "
+        f"{sum(v['reconnects'] for v in w.values())}, relists "
+        f"{sum(v['relists'] for v in w.values())}, events due "
+        f"{sum(v['events_due'] for v in w.values())}, lost {sum(v['lost'] for v in w.values())}",
+        "connections after " + ", ".join(f"{a} {c}" for a, c in row["connections_after"].items()),
+        "kubelets after " + ", ".join(f"{a} {c}" for a, c in row.get("kubelets_after", {}).items()),
+        f"balancer RSS MiB mean {sum(rss) / max(1, len(rss)):.1f}, max {max(rss, default=0):g}",
+        f"balancer CPU s mean {sum(cpu) / max(1, len(cpu)):.2f}, max {max(cpu, default=0):g} "
+        f"over {row['fault_window_s']:g} s",
+        f"load average mean {row['load']['mean']:g}, max {row['load']['max']:g}",
+        f"writer failures {row['writer_failures']}" if row["writer_failures"] else "",
+        "; ".join(row["notes"]),
+    ] if x)
+
+
+def _per_api(values: dict[str, Any], fmt: str = "{:g}") -> str:
+    return " / ".join(fmt.format(values[a]) if values.get(a) is not None else "-"
+                      for a in sorted(values))
+
+
+def cost_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The quiet cell's figures of one balancer: (row label, cell)."""
+    c = r["cost"]
+    n = r["nodes"]
+    tot = c["requests_per_s_total"]
+    servers = c["servers"]
+    apis = sorted(a for a in servers if a != "etcd")
+
+    def srv(name: str, key: str, fmt: str) -> str:
+        v = servers.get(name)
+        return fmt.format(v[key]) if v else "-"
+
+    def halves(fn: Any) -> str:
+        return " / ".join(fn(h) for h in c.get("halves", []))
+
+    conns = c["connections"]
+    b, k = c["balancer"], c["kubelet"]
+
+    def mm(d: dict[str, float], fmt: str) -> str:
+        return f"{fmt.format(d['mean'])} ({d['max']:g})"
+
+    probes = halves(lambda h: f"{h['requests_per_s_total']['probes']:.2f}")
+    api_cpu = halves(lambda h: "{:.1f}".format(
+        sum((h["servers"].get(a) or {}).get("cpu_pct", 0) for a in apis)))
+    return [
+        ("window (s); load average mean / max", f"{r['window_s']:g}; {r['load']['mean']:g} / "
+         f"{r['load']['max']:g}"),
+        ("established connections from the nodes, " + " / ".join(apis) + " (per node)",
+         f"{_per_api(conns)} ({sum(conns.values()) / max(1, n):.2f})"),
+        ("open watches, all / balancers' EndpointSlice discovery (sum over API servers)",
+         f"{sum(c['watches'].values()):g} / {sum(c['discovery_watches'].values()):g}"),
+        ("requests/s, readyz/healthz probes (sum; per node)",
+         f"{tot['probes']:.2f}; {tot['probes'] / max(1, n):.3f}"),
+        ("requests/s, EndpointSlice discovery (sum)", f"{tot['discovery']:.3f}"),
+        ("requests/s, kubelets + control plane (sum; of which Lease PUTs / node status "
+         "PATCHes)", f"{tot['kubelets+control plane']:.2f} ({tot['lease_put']:.2f} / "
+         f"{tot['status_patch']:.2f})"),
+        ("requests/s failed (5xx, 429)", f"{tot['failed']:g}"),
+        ("API server CPU, % of a core, " + " / ".join(apis),
+         " / ".join(srv(a, "cpu_pct", "{:.1f}") for a in apis)),
+        ("API servers' CPU together, first half / second half (%)", api_cpu),
+        ("probes/s, first half / second half", probes),
+        ("API server RSS (MiB), " + " / ".join(apis),
+         " / ".join(srv(a, "rss_mib", "{:.0f}") for a in apis)),
+        ("etcd CPU (% of a core); RSS (MiB)",
+         f"{srv('etcd', 'cpu_pct', '{:.1f}')}; {srv('etcd', 'rss_mib', '{:.0f}')}"),
+        ("balancer per node: RSS MiB mean (max)", mm(b["rss_mib"], "{:.1f}")),
+        ("balancer per node: threads mean (max)", mm(b["threads"], "{:.1f}")),
+        ("balancer per node: CPU % of a core mean (max)", mm(b["cpu_pct"], "{:.2f}")),
+        (f"all {n} balancers: CPU % of a core; RSS (MiB)",
+         f"{b['cpu_pct']['mean'] * b['cpu_pct']['n']:.1f}; "
+         f"{b['rss_mib']['mean'] * b['rss_mib']['n']:.0f}"),
+        ("hollow kubelet per node (the fleet's own, in no balancer's row): RSS MiB mean; CPU %",
+         f"{k['rss_mib']['mean']:.1f}; {k['cpu_pct']['mean']:.2f}"),
+        ("nodes not Ready at the end", str(len(r["not_ready_end"]))),
+    ]
+
+
+def cost_section(doc: dict[str, Any], rows: dict[str, dict[str, Any]], level: str) -> str:
+    """What each balancer costs the control plane at rest: one column per balancer."""
+    variants = doc.get("variants", {})
+    lbs = [b for b in doc["lbs"] if b in rows
+           or "quiet" in variants.get(b, {}).get("faults", ["quiet"])]
+    if not lbs:
+        return ""
+    window = doc.get("quiet_window_s", 300)
+    out = [f"""{level} At rest: what each balancer costs the control plane
+
+No fault, no extra client, no writer, no sampler: only the {doc['nodes']} hollow kubelets,
+their balancers and the controllers, for {window:g} s after the fleet settled (every node
+Ready, every Lease renewed twice) and {doc.get('quiet_warmup_s', 30):g} s more. Requests
+by kind from each API server's own `apiserver_request_total` (scraped at the start, the
+middle and the end; the scrapes are left out), open watches from its
+`apiserver_longrunning_requests`; CPU, RSS and threads from `/proc` of each API server, of
+etcd, of each balancer's process tree and, apart, of each hollow kubelet. Halves: the same
+over each half of the window (a quiet window shows them alike).
+
+| | """ + " | ".join(NAMES.get(b, b) for b in lbs) + " |\n|---|" + "---|" * len(lbs) + "\n"]
+    cells: dict[str, list[tuple[str, str]] | None] = {
+        b: cost_rows(rows[b]) if _ok(rows.get(b)) else None for b in lbs}
+    labels = next(([lab for lab, _ in v] for v in cells.values() if v), [])
+    for i, label in enumerate(labels):
+        line = []
+        for b in lbs:
+            v = cells[b]
+            line.append(v[i][1] if v else ("error" if b in rows else "not run"))
+        out.append(f"| {label} | " + " | ".join(line) + " |\n")
+    errs = [f"* {NAMES.get(b, b)}: error: `{rows[b]['error'][:400]}`" for b in lbs
+            if b in rows and not _ok(rows[b])]
+    out.append("\n" + "".join(e + "\n" for e in errs) + ("\n" if errs else ""))
+    return "".join(out)
+
+
+def _faults(doc: dict[str, Any]) -> list[str]:
+    """The faults of a run (its quiet cell is no fault: cost_section)."""
+    return [f for f in doc["faults"] if f in FAULTS]
+
+
+def _fault_sections(doc: dict[str, Any], by: dict[str, dict[str, dict[str, Any]]],
+                    level: str) -> list[str]:
+    """One table per fault, balancers as columns, then the peers' table and the details
+    (summed up over the nodes above BRIEF_NODES nodes)."""
+    out: list[str] = []
+    brief = doc["nodes"] > BRIEF_NODES
+    for fault in _faults(doc):
+        rows = by.get(fault, {})
+        lbs = _columns(doc, fault, rows)
+        names = [NAMES.get(b, b) for b in lbs]
+        if OURS in lbs:
+            names.insert(1 + lbs.index(OURS), "target")
+        out.append(f"{level} {FAULT_TITLES[fault]}\n\n| | " + " | ".join(names) + " |\n|---|"
+                   + "---|" * len(names) + "\n")
+        for label, fn, _ in METRICS:
+            out.append(_line(label, [_cell(rows, b, fn) for b in lbs], lbs,
+                             _target_cell(target(fault, label, rows))))
+        for label, fn in EXTRA_ROWS.get(fault, []):
+            if any(_ok(rows.get(b)) and fn(rows[b]) is not None for b in lbs):
+                out.append(_line(label, [_cell(rows, b, fn) for b in lbs], lbs))
+        out.append(_line("on the faulted server before: kubelets / watches",
+                         [_exposed(rows[b]) if b in rows else "not run" for b in lbs], lbs))
+        out.append(_line("balancer RSS (max); CPU per node (share of one core)",
+                         [_resources(rows[b]) if b in rows else "not run" for b in lbs], lbs))
+        out.append(_line("machine load average (mean / max)", [
+            f"{rows[b]['load']['mean']:g} / {rows[b]['load']['max']:g}"
+            if _ok(rows.get(b)) else "-" for b in lbs], lbs))
+        good = as_good(rows, lbs)
+        if good:
+            out.append("\nWhere a peer did as well as extractedprism or better:\n\n"
+                       "| | extractedprism | better | as good |\n|---|---|---|---|\n")
+            out.extend(f"| {a} | {b} | {c} | {d} |\n" for a, b, c, d in good)
+        elif _ok(rows.get(OURS)) and any(_ok(rows.get(b)) for b in PEERS):
+            out.append("\nNo peer did as well as extractedprism on any row.\n")
+        out.append("\n")
+        for b in lbs:
+            if b in rows:
+                details = _brief(rows[b]) if brief else _details(rows[b])
+                out.append(f"* {NAMES.get(b, b)}: {details}\n")
+        out.append("\n")
+    return out
+
+
 def render(doc: dict[str, Any], previous: str | None = None) -> str:
     by: dict[str, dict[str, dict[str, Any]]] = {}
     for r in doc["results"]:
@@ -293,7 +570,7 @@ The targets for extractedprism as the chart ships it (its production profile,
 [below](#configurations)); "best peer": the fewest of HAProxy, nginx and the Go original in
 the same fault.
 
-{targets_table(by, doc["faults"]) if OURS in doc["lbs"] else "extractedprism was not run."}
+{targets_table(by, _faults(doc)) if OURS in doc["lbs"] else "extractedprism was not run."}
 ## Results
 
 {doc['nodes']} hollow nodes (kubemark, docs/fleet.md), each behind its own balancer, each
@@ -308,43 +585,17 @@ after the last server is ready, for the roll and the scale-out). "As good": with
 gaps, 0.34 for skew, exactly for counts.
 
 """]
-    for fault in doc["faults"]:
-        rows = by.get(fault, {})
-        lbs = _columns(doc, fault, rows)
-        names = [NAMES.get(b, b) for b in lbs]
-        if OURS in lbs:
-            names.insert(1 + lbs.index(OURS), "target")
-        out.append(f"### {FAULT_TITLES[fault]}\n\n| | " + " | ".join(names) + " |\n|---|"
-                   + "---|" * len(names) + "\n")
-
-
-        for label, fn, _ in METRICS:
-            out.append(_line(label, [_cell(rows, b, fn) for b in lbs], lbs,
-                             _target_cell(target(fault, label, rows))))
-        out.append(_line("on the faulted server before: kubelets / watches",
-                         [_exposed(rows[b]) if b in rows else "not run" for b in lbs], lbs))
-        out.append(_line("balancer RSS (max); CPU per node (share of one core)",
-                         [_resources(rows[b]) if b in rows else "not run" for b in lbs], lbs))
-        out.append(_line("machine load average (mean / max)", [
-            f"{rows[b]['load']['mean']:g} / {rows[b]['load']['max']:g}"
-            if _ok(rows.get(b)) else "-" for b in lbs], lbs))
-        good = as_good(rows, lbs)
-        if good:
-            out.append("\nWhere a peer did as well as extractedprism or better:\n\n"
-                       "| | extractedprism | better | as good |\n|---|---|---|---|\n")
-            out.extend(f"| {a} | {b} | {c} | {d} |\n" for a, b, c, d in good)
-        elif _ok(rows.get(OURS)) and any(_ok(rows.get(b)) for b in PEERS):
-            out.append("\nNo peer did as well as extractedprism on any row.\n")
-        out.append("\n")
-        for b in lbs:
-            if b in rows:
-                out.append(f"* {NAMES.get(b, b)}: {_details(rows[b])}\n")
-        out.append("\n")
+    if "quiet" in doc["faults"]:
+        out.append(cost_section(doc, by.get("quiet", {}), "###"))
+    out.extend(_fault_sections(doc, by, "###"))
     missing = [f"{NAMES.get(b, b)}: {why}" for b, why in doc.get("skipped", {}).items()]
     missing += [f"{NAMES.get(b, b)} / {f}" for f in doc["faults"]
                 for b in _columns(doc, f, by.get(f, {})) if b not in by.get(f, {})]
     if missing:
         out.append("Not measured: " + "; ".join(missing) + ".\n\n")
+    fleet = FLEET_RX.search(previous or "")
+    if fleet:
+        out.append(fleet.group(0) + "\n")
     variants = doc.get("variants", {})
     stall = " ".join(variants.get("extractedprism-stall", {}).get("extra", [])) or "(not run)"
     out.append(HOWTO.read_text().format(
@@ -354,6 +605,8 @@ gaps, 0.34 for skew, exactly for counts.
         partition=f"{t['partition_s']:g}",
         partition_watch=f"{max(t['watch_min_s'], t['partition_s'] + t['after_s']):g}",
         settle=f"{settle:g}", settle_rebalances=t.get("settle_rebalances", "-"),
+        quiet=(f"{doc['quiet_window_s']:g} + {doc.get('quiet_warmup_s', 30):g}"
+               if "quiet_window_s" in doc else "`--quiet-window` (300 by default) + 30"),
         write_period=f"{t['write_period_s']:g}",
         request_period=f"{t['request_period_s']:g}",
         profile=" ".join(doc.get("profile", [])) or "(not run)",
@@ -365,6 +618,55 @@ gaps, 0.34 for skew, exactly for counts.
     return "".join(out)
 
 
+def render_fleet(doc: dict[str, Any], previous: str | None = None) -> str:
+    """The section of a run at fleet size, between its markers (FLEET_RX)."""
+    by: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in doc["results"]:
+        by.setdefault(r["fault"], {})[r["lb"]] = r
+    m = FLEET_NOTES_RX.search(previous or "")
+    notes = m.group(1) if m else "(no reading written yet)\n"
+    out = [f"""<!-- fleet -->
+## At fleet size: {doc['nodes']} nodes
+
+{_header(doc)}
+Each balancer on a fresh control plane with {doc['nodes']} hollow nodes, as above; the
+extra clients (a kubectl watch and a request loop) on {doc.get('client_nodes', '-')} of them,
+evenly spread; Lease gaps, NotReady and the kubelets' failed requests over every node;
+the nodes' connections per API server counted every 5 s (the roll's and the scale-out's
+time to an even spread). The same configurations as the 3-node run
+([below](#configurations)); "extractedprism, spec defaults" is the same command line
+without the profile.
+
+<!-- fleet-notes -->
+{notes}<!-- /fleet-notes -->
+
+"""]
+    if "quiet" in doc["faults"]:
+        out.append(cost_section(doc, by.get("quiet", {}), "###"))
+    if OURS in doc["lbs"] and _faults(doc):
+        out.append("### Targets at fleet size\n\n" + targets_table(by, _faults(doc)) + "\n")
+    out.extend(_fault_sections(doc, by, "###"))
+    missing = [f"{NAMES.get(b, b)}: {why}" for b, why in doc.get("skipped", {}).items()]
+    if missing:
+        out.append("Not measured: " + "; ".join(missing) + ".\n\n")
+    out.append("<!-- /fleet -->\n")
+    return "".join(out)
+
+
 def write(path: Path, doc: dict[str, Any]) -> None:
+    """Render ``doc`` into ``path``: the whole page for a 3-node run (keeping the fleet
+    section), only the fleet section for a run at another size (keeping the rest)."""
     previous = path.read_text() if path.exists() else None
-    path.write_text(render(doc, previous))
+    if doc.get("section") != "fleet":
+        path.write_text(render(doc, previous))
+        return
+    block = render_fleet(doc, previous)
+    text = previous or ""
+    if FLEET_RX.search(text):
+        text = FLEET_RX.sub(lambda _m: block, text, count=1)
+    elif "## How it runs" in text:
+        i = text.index("## How it runs")
+        text = text[:i] + block + "\n" + text[i:]
+    else:
+        text = text + ("\n" if text else "") + block
+    path.write_text(text)
