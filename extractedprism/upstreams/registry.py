@@ -320,9 +320,20 @@ class Registry:
                 for a, r in self._ups.items()]
 
     def _choose_locked(self, exclude: Iterable[str]) -> str | None:
-        if exclude:  # a retry: rare, and the readyz rule applies after the exclusion
-            return choose(self._candidates_locked(), mode=self._selection,
-                          readyz=self._readyz, rng=self._rng, exclude=frozenset(exclude))
+        if exclude:  # a retry or a hedge: rare, and the readyz rule applies after the exclusion
+            skip = frozenset(exclude)
+            candidates = self._candidates_locked()
+            marked = self._marked_locked()
+            if marked - skip:
+                # The same rule as a first pick's (below): a suspect or dial-stalled
+                # upstream takes a retry, or the first answer's hedge, only when nothing
+                # else is left.
+                addr = choose(candidates, mode=self._selection, readyz=self._readyz,
+                              rng=self._rng, exclude=skip | marked)
+                if addr is not None:
+                    return addr
+            return choose(candidates, mode=self._selection, readyz=self._readyz,
+                          rng=self._rng, exclude=skip)
         # Every new connection's pick: the eligible list is kept while the records, their
         # (frozen, so replaced on change) states and the latency tiers stay the same; the
         # key costs two C-level tuple builds where the list cost a Candidate per upstream.
@@ -343,14 +354,21 @@ class Registry:
             # upstreams whose dial stalled with no success since (a black hole's dials
             # all stall): new connections reach a live one without first waiting out a
             # dead one's hedge delay, until the failures exclude it.
-            suspect = self._suspect
-            pool = [a for a in pool if a not in suspect and not ups[a].stalled] or pool
+            marked = self._marked_locked()
+            pool = [a for a in pool if a not in marked] or pool
         if self._ramping and len(pool) > 1:
             return self._pick_weighted_locked(pool)
         if self._selection == "least-conn" and len(pool) > 1:
             return pick(pool, rng=self._rng,
                         active=[len(ups[a].conns) + ups[a].dialing for a in pool])
         return pick(pool, rng=self._rng)
+
+    def _marked_locked(self) -> frozenset[str]:
+        """The upstreams a pick avoids while another is left: the stall check's suspects
+        and those whose dial stalled with no success since."""
+        if not self._dial_stalls:
+            return self._suspect
+        return self._suspect | {a for a, r in self._ups.items() if r.stalled}
 
     def _weight_locked(self, addr: str, now: float) -> float:
         """Slow start's weight of ``addr`` now; a finished ramp leaves the ramping set."""

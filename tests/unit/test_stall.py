@@ -316,6 +316,64 @@ def test_new_connections_avoid_a_suspect_while_another_upstream_can_take_them(se
     assert picks() == {str(e) for e in EPS}
 
 
+@pytest.mark.parametrize("selection", ["random", "least-conn"])
+def test_a_retry_or_hedge_avoids_a_suspect_while_another_upstream_is_left(selection):
+    """Issue 29: the pick of a retry or of the first answer's hedge (a pick with
+    upstreams already tried) follows the first pick's rule: a suspect takes it only when
+    nothing else is left."""
+    rig = Rig()
+    rig.reg = Registry(clock=rig.clock, readyz=True, stall_timeout=T, selection=selection,
+                       unready_drain_timeout=30.0)
+    rig.reg.set_endpoints(EPS)
+    for addr in (str(e) for e in EPS):
+        rig.reg.record_probe(addr, ready(True))
+    b, c3 = sorted({str(e) for e in EPS} - {A})
+
+    def picks(exclude: set[str], n: int = 60) -> set[str]:
+        out = set()
+        for _ in range(n):
+            res = rig.reg.reserve(exclude=exclude)
+            assert res is not None
+            out.add(res.address)
+            res.release()
+        return out
+
+    kubelet = rig.conn(A, "kubelet")
+    answer(kubelet)
+    answer(rig.conn(c3, "idle"))  # least-conn ties A and c3
+    rig.sample()
+    assert picks({b}) == {A, c3}
+    ask(kubelet)
+    rig.sample(0.25)
+    rig.sample(T)  # stalled: A is suspect
+    assert picks({b}) == {c3}
+    assert picks({b, c3}) == {A}  # nothing else left: the suspect rather than nothing
+    answer(kubelet)
+    rig.sample(0.25)
+    assert picks({b}) == {A, c3}
+
+
+def test_a_retry_avoids_an_upstream_whose_dial_stalled():
+    reg = Registry(readyz=False)
+    reg.set_endpoints(EPS)
+    b, c3 = sorted({str(e) for e in EPS} - {A})
+    while True:  # a dial to A, marked stalled by the Dialer
+        first = reg.reserve()
+        assert first is not None
+        if first.address == A:
+            break
+        first.release()
+    reg.stall_dial(first)
+    seen = set()
+    for _ in range(60):
+        res = reg.reserve(exclude={b})
+        assert res is not None
+        seen.add(res.address)
+        res.release()
+    assert seen == {c3}
+    first.release()
+
+
 def test_off_has_no_suspects():
     rig = Rig(stall=0.0)
     c = rig.conn(A, "kubelet")
