@@ -53,8 +53,8 @@ PRODUCTION: tuple[Setting, ...] = (
     Setting("health-recheck", "1s",
             "the check confirming a first failure runs 1 s after it, not a whole interval"),
     Setting("unready-drain-timeout", "1s",
-            "an unready API server's watches move within 1 s (not the 30 s kept for removed "
-            "ones), within 10 s of an etcd cut"),
+            "an unready API server's watches move 1 s after its exclusion (not the 30 s kept for "
+            "removed ones)"),
     Setting("stall-timeout", "2s",
             "a request unanswered for 2 s (the node's own traffic) runs its API server's "
             "next check now"),

@@ -320,8 +320,10 @@ def test_no_stall_check_without_client_bytes(make_app, ups, ca, tmp_path, client
 
 
 @pytest.mark.timeout(60)
-def test_stall_checks_are_rate_limited_per_upstream(make_app, ups, ca, tmp_path, clients):
-    app = start(make_app, ups, ca, tmp_path)
+@RELAYS
+def test_stall_checks_are_rate_limited_per_upstream(make_app, ups, ca, tmp_path, clients, relay):
+    app = start(make_app, ups, ca, tmp_path, relay=relay)
+    assert app.relay == relay
     bad = ups[0]
     bad.slow_delay = 4 * STALL
     conns = [clients(app, ca, "up0") for _ in range(6)]
@@ -343,8 +345,10 @@ def test_stall_checks_are_rate_limited_per_upstream(make_app, ups, ca, tmp_path,
 
 
 @pytest.mark.timeout(60)
-def test_off_changes_nothing(make_app, ups, ca, tmp_path, clients):
-    app = start(make_app, ups, ca, tmp_path, stall_timeout=0.0)
+@RELAYS
+def test_off_changes_nothing(make_app, ups, ca, tmp_path, clients, relay):
+    app = start(make_app, ups, ca, tmp_path, stall_timeout=0.0, relay=relay)
+    assert app.relay == relay
     assert app.config.stall_timeout == 0.0
     bad = ups[0]
     c = clients(app, ca, "up0")
