@@ -39,13 +39,15 @@ import ipaddress
 import os
 import ssl
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from extractedprism.errors import Error
 from extractedprism.files import FileProblem, Reads, Reloaded, bearer_token
+
+T = TypeVar("T")
 
 TLS_SERVER_NAME = "kubernetes.default.svc"
 # A bearer token is a few KiB; a kubeconfig with embedded certificates a few tens.
@@ -140,6 +142,27 @@ def kubeconfig(path: str) -> Reloaded[Target]:
     def make(reads: Reads) -> Target:
         doc = _document(path, reads)
         return _target(doc, path, reads)
+
+    return Reloaded(make)
+
+
+def plugin_kubeconfig(path: str, build: Callable[[], T]) -> Reloaded[T]:
+    """For a kubeconfig the ``kubernetes`` package reads (a user with an exec or
+    auth-provider plugin): ``build()`` made again when the kubeconfig or a file its
+    current context names (CA, client certificate and key, token file) changes, as
+    :func:`kubeconfig` is for the rest. The package reads the files once per client it
+    makes, so a rotated CA is used only by a client made after the rotation."""
+    keys = (("cluster", "certificate-authority"), ("user", "client-certificate"),
+            ("user", "client-key"), ("user", "tokenFile"))
+
+    def make(reads: Reads) -> T:
+        cluster, user = _current(_document(path, reads), path)
+        base = os.path.dirname(os.path.abspath(path))
+        for section, key in keys:
+            value = (cluster if section == "cluster" else user).get(key)
+            if isinstance(value, str) and value:
+                reads.path(value if os.path.isabs(value) else os.path.join(base, value), key)
+        return build()
 
     return Reloaded(make)
 

@@ -73,6 +73,7 @@ from extractedprism.discovery.credentials import (
     KubeconfigError,
     Target,
     kubeconfig,
+    plugin_kubeconfig,
     read_kubeconfig,
     service_account,
     uses_plugin,
@@ -434,26 +435,51 @@ def _retry_after(resp: http.client.HTTPResponse) -> float | None:
 class PluginApi:
     """A kubeconfig whose user runs an ``exec`` or ``auth-provider`` plugin: the
     ``kubernetes`` package reads the file, runs the plugin and makes the call; imported
-    here, only then (it costs ~25 MiB of RSS, which only these users pay)."""
+    here, only then (it costs ~25 MiB of RSS, which only these users pay). The package
+    reads the kubeconfig and its files once per client, so the client is made again
+    before a request when one of them changed (a rotated CA, client certificate, key or
+    token file, or the kubeconfig itself), as :class:`HttpApi` does."""
 
     def __init__(self, path: str) -> None:
+        self._path = path
+        self._made = plugin_kubeconfig(path, self._build)
+        self._generation = 0
+        self._client: Any = None
+        self._slices: Any = None
+        self.host = ""
+        self._current()  # a kubeconfig the package cannot use fails the start
+
+    def _build(self) -> tuple[Any, Any]:
         from kubernetes import client as k8s_client
         from kubernetes import config as k8s_config
 
         try:
-            self._client = k8s_config.new_client_from_config(config_file=path,
-                                                             persist_config=False)
+            api_client = k8s_config.new_client_from_config(config_file=self._path,
+                                                           persist_config=False)
         except Exception as exc:  # the loader raises many types (ConfigException, yaml, OSError)
-            raise ClientConfigError(f"kubeconfig {path}: {exc}") from exc
-        self._client.user_agent = USER_AGENT
-        self._slices = k8s_client.DiscoveryV1Api(self._client)
-        self.host = str(self._client.configuration.host)
+            raise ClientConfigError(f"kubeconfig {self._path}: {exc}") from exc
+        api_client.user_agent = USER_AGENT
+        return api_client, k8s_client.DiscoveryV1Api(api_client)
+
+    def _current(self) -> Any:
+        try:
+            api_client, slices = self._made.get()
+        except FileProblem as exc:
+            raise ClientConfigError(str(exc)) from None
+        if self._made.generation != self._generation:
+            old, self._client, self._slices = self._client, api_client, slices
+            self._generation = self._made.generation
+            self.host = str(api_client.configuration.host)
+            if old is not None:
+                old.close()  # its connections were made with the old files
+        return self._slices
 
     def get(self, params: dict[str, Any], timeout: tuple[float, float]) -> Any:
         from kubernetes.client.exceptions import ApiException
 
+        slices = self._current()
         try:
-            return self._slices.list_namespaced_endpoint_slice(
+            return slices.list_namespaced_endpoint_slice(
                 NAMESPACE, **params, _preload_content=False, _request_timeout=timeout)
         except ApiException as exc:
             raise ApiError(int(exc.status or 0), str(exc.reason or "")) from exc
@@ -464,7 +490,8 @@ class PluginApi:
         pass
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
 
 
 def build_client(config: Config, sa_dir: str | None = None,

@@ -165,3 +165,60 @@ def test_kubeconfig_files_rotated_while_the_proxy_runs(tmp_path: Path) -> None:
         finally:
             proxy.stop()
         assert "Traceback" not in proxy.stderr()
+
+
+@pytest.mark.fd_leak_ok("the fake API server's watch connections close with its threads")
+def test_a_plugin_users_kubeconfig_files_rotated_while_the_proxy_runs(tmp_path: Path) -> None:
+    """A user with an exec plugin goes through the kubernetes package, which reads the
+    kubeconfig and its CA file once per client it makes: the CA file rotated, then the
+    kubeconfig changed to another plugin's token, each reach the next request (a slice
+    change made after the rotation reaches the proxy), with no discovery error."""
+    plugin = tmp_path / "plugin"
+
+    def plugin_says(token: str) -> None:
+        cred = {"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential",
+                "status": {"token": token}}
+        replace(plugin, f"#!/bin/sh\necho '{json.dumps(cred)}'\n".encode())
+        plugin.chmod(0o755)
+
+    def user(arg: str) -> dict[str, Any]:
+        return {"exec": {"apiVersion": "client.authentication.k8s.io/v1",
+                         "command": str(plugin), "args": [arg], "interactiveMode": "Never"}}
+
+    with FakeApiServer(token="token-1") as api:
+        api.set_slice(make_slice("kubernetes", ["127.0.0.11"], port=6443))
+        kc, ca = tmp_path / "kubeconfig", tmp_path / "ca.pem"
+        replace(ca, api.ca_pem())
+        plugin_says("token-1")
+        write_kubeconfig(kc, api.url, {"certificate-authority": "ca.pem"}, user("one"))
+        proxy = start_proxy(tmp_path, "--endpoints", f"127.0.0.1:{api.port}",
+                            "--kubeconfig", str(kc))
+        step = 11
+
+        def discovered_after(what: str) -> None:
+            nonlocal step
+            step += 1
+            api.set_slice(make_slice("kubernetes", [f"127.0.0.{step}"], port=6443))
+            wait_until(lambda: f"127.0.0.{step}:6443" in upstream_addresses(proxy.health),
+                       20, message=f"discovery after {what}: {proxy.stderr()[-2000:]}")
+
+        try:
+            wait_until(lambda: "127.0.0.11:6443" in upstream_addresses(proxy.health), 20,
+                       message=f"discovery: {proxy.stderr()[-2000:]}")
+            assert "reader=kubernetes-package" in proxy.stderr()
+            # The serving CA: the file first, then the server presents the new one only.
+            new_ca = trustme.CA()
+            replace(ca, new_ca.cert_pem.bytes())
+            api.rotate_ca(new_ca)
+            discovered_after("the CA file rotated")
+            # The kubeconfig itself: the plugin is called with other arguments and the
+            # server wants another token.
+            plugin_says("token-2")
+            write_kubeconfig(kc, api.url, {"certificate-authority": "ca.pem"}, user("two"))
+            api.set_tokens("token-2")
+            api.drop_streams()
+            discovered_after("the kubeconfig changed")
+            assert errors(proxy.health) == 0, proxy.stderr()
+        finally:
+            proxy.stop()
+        assert "Traceback" not in proxy.stderr()
