@@ -114,6 +114,10 @@ _COMPARE = os.environ.get("EP_STALE_COMPARE_TREE")
 if _COMPARE:
     VARIANTS += tuple(Variant(f"{v.name}-compared", v.mode, v.interval, v.timeout,
                               Path(_COMPARE)) for v in VARIANTS if v.timeout > TIMEOUT)
+# EP_STALE_COMPARE_FLAGS="--flag=value ...": appended to the compared node's proxy in
+# test_kubelet_lease_after_the_control_plane_moved (e.g. this checkout with
+# --dial-hedge-delay=0: what the hedge buys on a restart after the move).
+_COMPARE_FLAGS = os.environ.get("EP_STALE_COMPARE_FLAGS", "").split()
 
 
 def r(x: float | None) -> float | None:
@@ -670,7 +674,7 @@ def _kubelets_alive(fleet: Any) -> None:
 
 @pytest.mark.timeout(1500)
 @pytest.mark.skipif(not SLOW, reason="set EP_CONTROLPLANE_SLOW=1 (a fleet node and a moved "
-                    "control plane: about 8 minutes)")
+                    "control plane: about 2 minutes)")
 def test_kubelet_lease_after_the_control_plane_moved(moved: Any, tmp_path: Path) -> None:
     """Case (a) under a real (hollow) kubelet behind its node's extractedprism, as its
     static pod runs it (readyz with the node's certificate, discovery through its own
@@ -686,7 +690,7 @@ def test_kubelet_lease_after_the_control_plane_moved(moved: Any, tmp_path: Path)
     :func:`lease_bound`); whether the node went NotReady, reported, not judged: the move
     itself can take longer than the controllers' 50 s grace while the kubelet has no
     proxy. With ``EP_STALE_COMPARE_TREE``, a second node runs that checkout's proxy
-    through the same move."""
+    through the same move, with ``EP_STALE_COMPARE_FLAGS`` appended to its flags."""
     from tests.controlplane.conftest import fleet_why_not
 
     why = fleet_why_not()
@@ -721,7 +725,8 @@ def test_kubelet_lease_after_the_control_plane_moved(moved: Any, tmp_path: Path)
         fleet.save()
         fleet.start_controllers(STATIC_ONLY)
         for i, (label, cmd) in enumerate(ep_cmds.items(), 1):
-            names[label] = fleet.add_node(i, "extractedprism", cmd, None, list(extra))
+            flags = [*extra, *(_COMPARE_FLAGS if label == "compared" else [])]
+            names[label] = fleet.add_node(i, "extractedprism", cmd, None, flags)
         observe.wait_nodes_ready(cp, fleet.nodes, timeout=120, alive=fleet.check_alive)
         # The sampler never asks the servers that will go (a black hole costs it 3 s).
         sampler = observe.Sampler(cp, fleet.nodes, period=1.0, avoid=set(OLD)).start()
@@ -810,6 +815,7 @@ def test_kubelet_lease_after_the_control_plane_moved(moved: Any, tmp_path: Path)
         "upstreams_at_end": ups[n]} for label, n in names.items()}
     record("stale: kubelet Lease after the control plane moved", renew_s=RENEW,
            node_grace_s=NODE_GRACE, moved_s=r(moved_s), load_average=load,
+           compared_flags=_COMPARE_FLAGS if _COMPARE else None,
            sampler_failed_polls=sampler.failed_polls if sampler else None, **figs)
     f = figs["this"]
     assert f["first_renewal_after_start_s"] is not None, (
