@@ -25,6 +25,11 @@ each with the test timings (I, T) and with the spec's defaults (20 s, 15 s):
 * :func:`test_kubelet_lease_when_the_discovered_servers_die`: the same fault under a real
   (hollow) kubelet behind its node's extractedprism (``--static-endpoints=fallback``, the
   spec's timings): how long until its Lease renews.
+* :func:`test_kubelet_lease_after_the_control_plane_moved`: the first test's move under a
+  hollow kubelet (its node's proxy stopped, the control plane moved, the proxy started
+  again): how long from the proxy's start until the Lease renews, and whether the node
+  went NotReady meanwhile. Slow (a fleet, three servers started): only with
+  ``EP_CONTROLPLANE_SLOW=1``.
 
 The client: one request loop per proxy, a new connection per request (GET /readyz, as
 authenticated clients and the kubelet's reconnects do), every ``PERIOD`` s, each given
@@ -40,6 +45,7 @@ import contextlib
 import http.client
 import json
 import os
+import signal
 import socket
 import ssl
 import sys
@@ -108,6 +114,10 @@ _COMPARE = os.environ.get("EP_STALE_COMPARE_TREE")
 if _COMPARE:
     VARIANTS += tuple(Variant(f"{v.name}-compared", v.mode, v.interval, v.timeout,
                               Path(_COMPARE)) for v in VARIANTS if v.timeout > TIMEOUT)
+# EP_STALE_COMPARE_FLAGS="--flag=value ...": appended to the compared node's proxy in
+# test_kubelet_lease_after_the_control_plane_moved (e.g. this checkout with
+# --dial-hedge-delay=0: what the hedge buys on a restart after the move).
+_COMPARE_FLAGS = os.environ.get("EP_STALE_COMPARE_FLAGS", "").split()
 
 
 def r(x: float | None) -> float | None:
@@ -481,6 +491,46 @@ def _node_upstreams(fleet: Any, node: str) -> dict[str, dict[str, Any]]:
         return {}
 
 
+def _static_only_up(cp: Any) -> None:
+    """api4 started, never in the slice (``--endpoint-reconciler-type=none``), with an
+    admin kubeconfig for the controllers: they talk to a server the faults spare, so they
+    see the nodes from outside."""
+    from epscripts.controlplane.pki import kubeconfig
+
+    cp.add_apiserver(STATIC_ONLY)
+    cp.start(STATIC_ONLY, ["--endpoint-reconciler-type=none"])
+    wait_until(lambda: cp.readyz(STATIC_ONLY) == 200, 90, interval=0.5,
+               message=f"{STATIC_ONLY} ready")
+    (cp.dir / f"admin-{STATIC_ONLY}.kubeconfig").write_text(kubeconfig(
+        f"https://{cp.endpoint(STATIC_ONLY)}", cp.ca, token=cp.token("admin")))
+
+
+def _blackhole_in_nodes(fleet: Any, api: str) -> None:
+    """As :func:`blackhole`, in each node's namespace (it has neighbours of its own)."""
+    for node in fleet.nodes:
+        cphost.run_ip("-n", fleet.netns(node), "neigh", "replace", fleet.cp.ip(api),
+                      "lladdr", cphost.DEAD_MAC, "dev", "eth0", "nud", "permanent")
+
+
+def _ep_cmds(hosts: Path | None = None) -> dict[str, list[str]]:
+    """How each node runs its proxy: this checkout's, and with ``EP_STALE_COMPARE_TREE``
+    that checkout's (its package first on the path; the fleet runs every balancer from
+    this checkout's directory). ``hosts``: the proxy resolves names with that file, bound
+    over /etc/hosts in the private mount namespace ``ip netns exec`` gives each process
+    (the kubelet's own hosts file is bound in its own); ``sh`` execs, so the fleet's pid
+    is the proxy's."""
+    cmds = {"this": [sys.executable, "-m", "extractedprism"]}
+    if _COMPARE:
+        cmds["compared"] = [sys.executable, "-c",
+                            f"import runpy, sys; sys.path.insert(0, {_COMPARE!r}); "
+                            "runpy.run_module('extractedprism', run_name='__main__', "
+                            "alter_sys=True)"]
+    if hosts is None:
+        return cmds
+    wrap = ["sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
+    return {label: [*wrap, *cmd] for label, cmd in cmds.items()}
+
+
 def test_kubelet_lease_when_the_discovered_servers_die(moved: Any, tmp_path: Path) -> None:
     """A hollow kubelet behind extractedprism as its static pod runs it, with
     ``--static-endpoints=fallback`` and the spec's timings (20 s / 15 s): the node's
@@ -495,32 +545,18 @@ def test_kubelet_lease_when_the_discovered_servers_die(moved: Any, tmp_path: Pat
     why = fleet_why_not()
     if why:
         pytest.skip(f"fleet tests: {why}")
-    from epscripts.controlplane.pki import kubeconfig
     from epscripts.fleet import observe
     from epscripts.fleet.nodes import Fleet
 
     cp = moved
-    cp.add_apiserver(STATIC_ONLY)
-    cp.start(STATIC_ONLY, ["--endpoint-reconciler-type=none"])
-    wait_until(lambda: cp.readyz(STATIC_ONLY) == 200, 90, interval=0.5,
-               message=f"{STATIC_ONLY} ready")
-    # The controllers talk to the server that lives, so they see the fault from outside.
-    (cp.dir / f"admin-{STATIC_ONLY}.kubeconfig").write_text(kubeconfig(
-        f"https://{cp.endpoint(STATIC_ONLY)}", cp.ca, token=cp.token("admin")))
+    _static_only_up(cp)
     static = cp.endpoint(STATIC_ONLY)
     old = [cp.endpoint(a) for a in OLD]
     extra = [f"--endpoints={static}", "--static-endpoints=fallback", "--log-level=info"]
     fleet = Fleet(cp)
     if fleet.state["nodes"]:
         fleet.down()
-    ep_cmds = {"this": [sys.executable, "-m", "extractedprism"]}
-    if _COMPARE:
-        # That checkout's package first on the path; the fleet runs every balancer from
-        # this checkout's directory.
-        ep_cmds["compared"] = [sys.executable, "-c",
-                               f"import runpy, sys; sys.path.insert(0, {_COMPARE!r}); "
-                               "runpy.run_module('extractedprism', run_name='__main__', "
-                               "alter_sys=True)"]
+    ep_cmds = _ep_cmds()
     sampler = None
     try:
         fleet.state["lb"] = "extractedprism"
@@ -538,9 +574,7 @@ def test_kubelet_lease_when_the_discovered_servers_die(moved: Any, tmp_path: Pat
                        message=f"{node}: api1-api3 discovered and ready, two renewals")
         for api in OLD:
             blackhole(cp, api)
-            for node in fleet.nodes:  # the node's own namespace has its own neighbours
-                cphost.run_ip("-n", fleet.netns(node), "neigh", "replace", cp.ip(api),
-                              "lladdr", cphost.DEAD_MAC, "dev", "eth0", "nud", "permanent")
+            _blackhole_in_nodes(fleet, api)
         t_fault = time.time()
         for api in OLD:
             cp.kill(api)
@@ -576,3 +610,216 @@ def test_kubelet_lease_when_the_discovered_servers_die(moved: Any, tmp_path: Pat
     assert first[n] is not None, f"the Lease was never renewed after the fault: {figs}"
     assert not not_ready.get(n), f"{n} went NotReady: {figs}"
     assert gaps[n] < NODE_GRACE, figs
+
+
+# --- (a) with a real kubelet: how long after the proxy's start until its Lease renews ------
+
+# The node's proxy as the fleet runs it: the spec's timings (no timing flag given), with
+# --static-endpoints=fallback as in the test above.
+NODE = Variant("node", "fallback", DEFAULT_INTERVAL, DEFAULT_TIMEOUT)
+# The kubelet's Lease controller (k8s.io/component-helpers apimachinery/lease, v1.34): a
+# sync every RENEW s with 4% jitter; in a sync, a failed update is retried at once (five
+# tries), then the Lease is fetched again with a backoff doubling from 200 ms to at most
+# 7 s for as long as that fails, then updated. Every request goes through the heartbeat
+# client, whose timeout is min(node status update frequency, lease duration) = 10 s
+# (CLIENT_TIMEOUT).
+RENEW_JITTER = 0.04
+LEASE_MAX_BACKOFF = 7.0
+PROXY_EXIT_TIMEOUT = 20.0  # the spec's 5 s shutdown on a loaded machine (scripts/chaos's)
+SLOW = os.environ.get("EP_CONTROLPLANE_SLOW") == "1"
+
+
+def lease_bound(v: Variant) -> float:
+    """From the proxy's start to the kubelet's first Lease renewal, derived from the flags.
+
+    By ``flow_bound(v)`` every new request through the proxy succeeds (case (a)'s bound,
+    counted from the same instant, the proxy's start; the request loop's pauses in it are
+    an allowance the kubelet, whose own waits are counted below, does not use). At that
+    moment the Lease controller is in one of three places:
+
+    * waiting for a request sent earlier: it ends, answered or not, within the heartbeat
+      timeout (``CLIENT_TIMEOUT``). A failed update is retried at once, and succeeds; a
+      failed fetch is retried after its backoff, at most ``LEASE_MAX_BACKOFF``, then the
+      fetch and the update succeed;
+    * sleeping in that backoff: at most ``LEASE_MAX_BACKOFF``, then the same;
+    * between two syncs (the last one gave up on its five updates before traffic flowed):
+      the next one starts within ``RENEW * (1 + RENEW_JITTER)`` and its update succeeds.
+
+    The worst is the first: ``CLIENT_TIMEOUT + LEASE_MAX_BACKOFF``; the third is shorter
+    (10.4 s). The fetch that then succeeds is the request flow_bound's last terms (hedge
+    and answer hedge) already wait for; the renewal's time is the kubelet's own stamp,
+    taken before its update is sent, so the update's own trip is not in the figure."""
+    return flow_bound(v) + max(CLIENT_TIMEOUT, RENEW * (1 + RENEW_JITTER)) + LEASE_MAX_BACKOFF
+
+
+def _stop_proxy(fleet: Any, node: str) -> dict[str, Any]:
+    """SIGTERM to the node's proxy (its pid and process group, as scripts/chaos's
+    proxy-term), SIGKILL if it has not exited within PROXY_EXIT_TIMEOUT."""
+    name = f"lb-{node}"
+    pid = fleet.cp.pid(name)
+    t0 = time.monotonic()
+    fleet.stop_proc(name, signal.SIGTERM, timeout=PROXY_EXIT_TIMEOUT)
+    killed = fleet.cp.pid(name) is not None
+    if killed:
+        fleet.stop_proc(name, signal.SIGKILL)
+    return {"pid": pid, "exit_s": r(time.monotonic() - t0), "sigkill_needed": killed}
+
+
+def _kubelets_alive(fleet: Any) -> None:
+    """While the proxies are down: every process but them still runs."""
+    for name in fleet.proc_names():
+        if not name.startswith("lb-") and fleet.cp.pid(name) is None:
+            raise AssertionError(f"{name} exited; log tail:\n{fleet.log(name)[-2500:]}")
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(not SLOW, reason="set EP_CONTROLPLANE_SLOW=1 (a fleet node and a moved "
+                    "control plane: about 2 minutes)")
+def test_kubelet_lease_after_the_control_plane_moved(moved: Any, tmp_path: Path) -> None:
+    """Case (a) under a real (hollow) kubelet behind its node's extractedprism, as its
+    static pod runs it (readyz with the node's certificate, discovery through its own
+    listener, a state file), ``--static-endpoints=fallback`` and the spec's timings, plus
+    ``--endpoints`` naming api1, api2 and the host name ``NAME`` (resolving to api3 from
+    the proxy's own hosts file); the controllers talk to api4, which the node never
+    knows. Once the Lease renews and the state file lists api1-api3: the node's proxy is
+    stopped (SIGTERM); api1-api3 are killed and black-holed (from the machine and from
+    the node's namespace), api5-api7 start on new addresses and take the slice over,
+    ``NAME`` now resolves to api5; the proxy is started again.
+
+    Figure: seconds from the proxy's start to the kubelet's first Lease renewal (bound:
+    :func:`lease_bound`); whether the node went NotReady, reported, not judged: the move
+    itself can take longer than the controllers' 50 s grace while the kubelet has no
+    proxy. With ``EP_STALE_COMPARE_TREE``, a second node runs that checkout's proxy
+    through the same move, with ``EP_STALE_COMPARE_FLAGS`` appended to its flags."""
+    from tests.controlplane.conftest import fleet_why_not
+
+    why = fleet_why_not()
+    if why:
+        pytest.skip(f"fleet tests: {why}")
+    from epscripts.fleet import observe
+    from epscripts.fleet.nodes import Fleet
+
+    cp = moved
+    load = {"start": [round(x, 2) for x in os.getloadavg()]}
+    _static_only_up(cp)
+    hosts = tmp_path / "hosts"
+    write_hosts(hosts, cp.ip("api3"))
+    endpoints = [cp.endpoint("api1"), cp.endpoint("api2"), f"{NAME}:{cphost.PORT}"]
+    old = [cp.endpoint(a) for a in OLD]
+    new = [cp.endpoint(a) for a in NEW]
+    extra = [f"--endpoints={','.join(endpoints)}", f"--static-endpoints={NODE.mode}",
+             "--log-level=info"]
+    fleet = Fleet(cp)
+    if fleet.state["nodes"]:
+        fleet.down()
+    ep_cmds = _ep_cmds(hosts)
+    bound = lease_bound(NODE)
+    names: dict[str, str] = {}
+    stops: dict[str, dict[str, Any]] = {}
+    t_start: dict[str, float] = {}
+    listening: dict[str, float] = {}
+    discovered: dict[str, float | None] = {}
+    sampler = None
+    try:
+        fleet.state["lb"] = "extractedprism"
+        fleet.save()
+        fleet.start_controllers(STATIC_ONLY)
+        for i, (label, cmd) in enumerate(ep_cmds.items(), 1):
+            flags = [*extra, *(_COMPARE_FLAGS if label == "compared" else [])]
+            names[label] = fleet.add_node(i, "extractedprism", cmd, None, flags)
+        observe.wait_nodes_ready(cp, fleet.nodes, timeout=120, alive=fleet.check_alive)
+        # The sampler never asks the servers that will go (a black hole costs it 3 s).
+        sampler = observe.Sampler(cp, fleet.nodes, period=1.0, avoid=set(OLD)).start()
+        for node in fleet.nodes:
+            wait_until(lambda n=node: ready_in(_node_upstreams(fleet, n), old)
+                       and state_file_lists(fleet.node_dir(n) / "extractedprism.state",
+                                            set(old))
+                       and len(sampler.renewals.get(n, ())) >= 2,
+                       2 * NODE.interval + NODE.timeout + 2 * RENEW + 30, interval=1.0,
+                       message=f"{node}: api1-api3 discovered, ready and in the state "
+                               "file, two renewals")
+
+        # The proxy stops; the control plane moves while it is down.
+        t_stop = time.time()
+        for node in fleet.nodes:
+            stops[node] = _stop_proxy(fleet, node)
+        for api in OLD:
+            cp.kill(api)
+            blackhole(cp, api)
+            _blackhole_in_nodes(fleet, api)
+        for api in NEW:
+            cp.add_apiserver(api)
+            cp.start(api)
+        moved_s = wait_serving(cp, NEW, via=NEW[0], timeout=90 + LEASE_EXPIRY_S)
+        write_hosts(hosts, cp.ip(NEW[0]))
+        _kubelets_alive(fleet)
+
+        # Each node's clock starts when its proxy is started.
+        for label, node in names.items():
+            t_start[node] = time.time()
+            fleet.start_balancer(node, "extractedprism", ep_cmds[label], None)
+            listening[node] = time.time() - t_start[node]
+            discovered[node] = None
+        # Twice the bound: a miss is measured, not cut off; then the node Ready again.
+        deadline = time.monotonic() + 2 * bound
+        while time.monotonic() < deadline:
+            fleet.check_alive()
+            for node in fleet.nodes:
+                if discovered[node] is None and ready_in(_node_upstreams(fleet, node), new):
+                    discovered[node] = time.time() - t_start[node]
+            last = sampler.samples[-1] if sampler.samples else None
+            if (all(len([t for t in sampler.renewals.get(n, ()) if t > t_start[n]]) >= 2
+                    for n in fleet.nodes)
+                    and all(d is not None for d in discovered.values())
+                    and last is not None and last.t > max(t_start.values())
+                    and not last.not_ready):
+                break
+            time.sleep(1.0)
+        t_end = time.time()
+        load["end"] = [round(x, 2) for x in os.getloadavg()]
+        gaps = sampler.lease_gaps(since=t_stop, until=t_end)
+        renewed = {n: sorted(t for t in sampler.renewals.get(n, ()) if t > t_start[n])
+                   for n in fleet.nodes}
+        not_ready = sampler.not_ready(since=t_stop)
+        # Ready again: the first sample after its last NotReady one.
+        ready_again = {n: next((s.t for s in sampler.samples
+                                if s.t > not_ready[n][-1][0] and n not in s.not_ready), None)
+                       if not_ready.get(n) else None for n in fleet.nodes}
+        ups = {n: {a: (u["state"], u["source"]) for a, u in _node_upstreams(fleet, n).items()}
+               for n in fleet.nodes}
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        for node in fleet.nodes:
+            with contextlib.suppress(OSError):
+                cp.request(STATIC_ONLY, f"/api/v1/nodes/{node}", method="DELETE", timeout=5)
+        fleet.down()
+
+    def since(t: float | None, t0: float) -> float | None:
+        return None if t is None else r(t - t0)
+
+    figs = {label: {
+        "node": n, "proxy_stop": stops[n],
+        "proxy_down_s": r(t_start[n] - t_stop), "proxy_listening_s": r(listening[n]),
+        "first_renewal_after_start_s": since(renewed[n][0] if renewed[n] else None,
+                                             t_start[n]),
+        "renewals_after_start_s": [r(t - t_start[n]) for t in renewed[n][:3]],
+        "bound_s": r(bound),
+        "discovered_ready_s": r(discovered[n]),
+        "longest_lease_gap_s": r(gaps[n]),
+        "went_not_ready": bool(not_ready.get(n)),
+        "not_ready_from_stop_s": since(not_ready[n][0][0], t_stop) if not_ready.get(n)
+        else None,
+        "not_ready_reasons": sorted({why for _, why in not_ready.get(n, [])}),
+        "ready_again_after_start_s": since(ready_again[n], t_start[n]),
+        "upstreams_at_end": ups[n]} for label, n in names.items()}
+    record("stale: kubelet Lease after the control plane moved", renew_s=RENEW,
+           node_grace_s=NODE_GRACE, moved_s=r(moved_s), load_average=load,
+           compared_flags=_COMPARE_FLAGS if _COMPARE else None,
+           sampler_failed_polls=sampler.failed_polls if sampler else None, **figs)
+    f = figs["this"]
+    assert f["first_renewal_after_start_s"] is not None, (
+        f"the Lease was never renewed after the proxy's start: {figs}")
+    assert f["first_renewal_after_start_s"] <= bound, (
+        f"first renewal {f['first_renewal_after_start_s']}s after the proxy's start, "
+        f"bound {bound:.2f}s: {figs}")
