@@ -239,10 +239,23 @@ FLAGS: tuple[Flag, ...] = (
         "timeout; a stall still unanswered two stall timeouts later gets one second look), "
         "and that check counts like any other; while it is stalled, new connections go to "
         "other upstreams: a stall alone never closes a "
-        "connection or marks an upstream down; when failed checks exclude an upstream "
-        "while another serves, its connections stalled then are closed at once, the "
-        "others keep --unready-drain-timeout (0: off)",
+        "connection or marks an upstream down; when a check of an upstream fails while "
+        "another serves, its connections stalled then are closed at once and picks avoid "
+        "it until its next check; at the exclusion the others keep "
+        "--unready-drain-timeout (0: off)",
         checks=(STALL_TIMEOUT,),
+        group="health",
+    ),
+    Flag(
+        "keep-last-ready",
+        "bool",
+        "false",
+        "A slow answer (connected, but the readyz probe or a client's first answer ran out "
+        "of --health-timeout) does not take the last upstream serving out of service: "
+        "counting it would send new connections to every TCP-healthy upstream, a frozen "
+        "one included, and call every drain off; refusals, resets, TLS errors and "
+        "non-200 answers still count, and so does a slow answer while another upstream "
+        "serves",
         group="health",
     ),
     Flag(

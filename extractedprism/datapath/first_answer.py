@@ -550,4 +550,4 @@ class FirstAnswer:
                   if closed else f"no answer within {self.health_timeout:g}s to the "
                   "client's TLS ClientHello")
         self._registry.record_dial(addr, False, reason,
-                                   count_error=not self.stopping.is_set())
+                                   count_error=not self.stopping.is_set(), slow=not closed)

@@ -27,7 +27,9 @@ weight, while rebalancing or slow start is on and it is pickable, else null), ``
 stall check's ``stalls`` (stalls seen on its connections, one per unanswered stretch of a
 connection), ``stalled_connections`` (its live connections stalled at the last sample)
 and ``stall_checks`` (``failed``/``passed``: the checks stalls asked for, as
-extractedprism_stall_checks_total), all three null when ``--stall-timeout`` is 0.
+extractedprism_stall_checks_total), all three null when ``--stall-timeout`` is 0;
+``kept_last`` (slow answers not counted because it was the last upstream serving, as
+extractedprism_kept_last_total; null when ``--keep-last-ready`` is off).
 
 Top level, ``rebalance``: ``enabled``, and while on ``interval_seconds``,
 ``quiet_seconds``, ``rounds``, ``closes``, ``last_round_at``, ``last_acted_at`` (the
@@ -115,6 +117,7 @@ def upstream_entry(u: UpstreamView, wall: _Clock, live: int = 0) -> dict[str, An
         "stalled_connections": u.stalled_connections,
         "stall_checks": None if u.stalls is None else {
             r: dict(u.stall_checks).get(r, 0) for r in STALL_CHECK_RESULTS},
+        "kept_last": u.kept_last,
     }
 
 

@@ -76,7 +76,7 @@ from extractedprism.upstreams.snapshot import (
     RebalanceView,
     Snapshot,
 )
-from extractedprism.upstreams.state import ProbeResult, Readiness
+from extractedprism.upstreams.state import ProbeResult, Readiness, Transition, UpstreamState
 
 log = logging.getLogger(__name__)
 _STATE = operator.attrgetter("state")
@@ -102,6 +102,7 @@ class Registry:
         rebalance_quiet: float = 5.0,
         slow_start: float = 0.0,
         stall_timeout: float = 0.0,
+        keep_last_ready: bool = False,
     ) -> None:
         self.lock = threading.RLock()
         self._selection = selection
@@ -140,6 +141,9 @@ class Registry:
         # The stall check (0: off). Connections' activity is sampled (conn-sampler) only
         # when it or rebalancing is on.
         self._stall_timeout = stall_timeout
+        # --keep-last-ready: a slow answer (sm.slow_answer, or a client's first answer
+        # past --health-timeout) does not exclude the last upstream serving.
+        self._keep_last_ready = keep_last_ready
         # Upstreams with a stalled connection at the last sample: new connections go
         # elsewhere while another eligible upstream has none (_choose_locked).
         self._suspect: frozenset[str] = frozenset()
@@ -397,7 +401,7 @@ class Registry:
         readyz = self._readyz
         for addr, rec in self._ups.items():
             st = rec.state
-            serving = st.pickable and (st.ready or not readyz)
+            serving = sm.serving(st, readyz=readyz)
             if not serving and st.probed_ready:
                 # Seen not serving by a probe, not merely unprobed: coming up later is a
                 # recovery, even if it never served (new upstreams serve before their
@@ -489,8 +493,7 @@ class Registry:
             if rec is None:
                 return None
             before = rec.state.admin
-            others = any(a != addr and r.state.pickable and (r.state.ready or not self._readyz)
-                         for a, r in self._ups.items())
+            others = self._another_serves_locked(addr)
             done = not (unless_closed and before == "close") and not (unless_alone
                                                                         and not others)
             if done:
@@ -543,13 +546,24 @@ class Registry:
                 if self._latency_mode and result.rtt is not None:
                     self._latency.observe(addr, result.rtt)
             before = rec.state
-            rec.state, transitions = sm.on_probe(rec.state, result, readyz=self._readyz)
-            confirm = sm.awaits_confirmation(rec.state)
+            state, transitions = sm.on_probe(rec.state, result, readyz=self._readyz)
+            error = result.reason or result.ready_reason
+            held = sm.slow_answer(result) and self._keeps_last_locked(addr, before, state)
+            if held:
+                state, transitions = self._keep_last_locked(addr, rec, before, error,
+                                                            "probe", transitions, fx)
+            rec.state = state
+            confirm = sm.awaits_confirmation(rec.state) and not held
             if stall:
                 self._stall_result_locked(addr, rec, result, now, fx)
             fx.transitions(addr, transitions)
-            if sm.excluded(rec.state) and not sm.excluded(before):
-                self._close_stalled_locked(addr, rec, now, fx)
+            rec.failed_stalled = False  # this check decided; a failure below sets it again
+            if error:
+                # A failed check (the first, or the one that excludes) closes the
+                # connections stalled now: they wait on an answer a server failing its
+                # checks is not giving; the rest wait for the confirming check.
+                self._close_stalled_locked(addr, rec, now, fx, excluded=sm.excluded(state)
+                                           and not sm.excluded(before))
             self._update_readiness_deadlines_locked(now, fx)
             self._update_panic_locked(fx)
             self._update_words_locked(now)
@@ -573,16 +587,18 @@ class Registry:
                why.stalled_for, why.client or "-", now - why.at)
 
     def record_dial(self, addr: str, ok: bool, reason: str = "", *, count_error: bool = True,
-                    duration: float | None = None) -> None:
+                    duration: float | None = None, slow: bool = False) -> None:
         """A client dial's outcome counts toward the same streak as health checks;
-        ``duration`` (seconds, successful or not) feeds the dial-time histogram."""
+        ``duration`` (seconds, successful or not) feeds the dial-time histogram;
+        ``slow``: connected, but no first answer within --health-timeout (what
+        --keep-last-ready does not count against the last upstream serving)."""
         with self.lock:
-            fx = self._record_dial_locked(addr, ok, reason, count_error, duration)
+            fx = self._record_dial_locked(addr, ok, reason, count_error, duration, slow)
         if fx is not None:
             self._run(fx)
 
     def _record_dial_locked(self, addr: str, ok: bool, reason: str, count_error: bool,
-                            duration: float | None) -> Effects | None:
+                            duration: float | None, slow: bool) -> Effects | None:
         rec = self._ups.get(addr)
         if rec is None:
             return None  # removed: failures are not counted until it is added again
@@ -600,16 +616,20 @@ class Registry:
         state, transitions, probe = sm.on_dial(rec.state, ok, reason, readyz=self._readyz)
         if state is rec.state:
             return None  # the common case: nothing to change, nobody to wake
+        fx = Effects()
+        if slow and self._keeps_last_locked(addr, rec.state, state):
+            state, transitions = self._keep_last_locked(addr, rec, rec.state, reason, "dial",
+                                                        transitions, fx)
+            probe = False
         recheck = not ok and sm.awaits_confirmation(state) and not sm.awaits_confirmation(
             rec.state)
         before, rec.state = rec.state, state
         now = self._clock()
         if not ok:
             rec.last_check_at = now
-        fx = Effects()
         fx.transitions(addr, transitions)
         if sm.excluded(state) and not sm.excluded(before):
-            self._close_stalled_locked(addr, rec, now, fx)
+            self._close_stalled_locked(addr, rec, now, fx, excluded=True)
         flipped = any(t.health_flipped for t in transitions)
         if flipped:
             self._update_readiness_deadlines_locked(now, fx)
@@ -686,6 +706,8 @@ class Registry:
             if stalled:
                 suspect.append(addr)
                 self._stalls_locked(addr, rec, now, stalled, fx)
+            elif rec.failed_stalled:
+                suspect.append(addr)
         if suspect or self._suspect:
             self._suspect = frozenset(suspect)
 
@@ -738,21 +760,53 @@ class Registry:
         rec.stall_trigger = StallTrigger(now, len(stalled), oldest[0], oldest[1].client)
         fx.changes.append(Change("stall-check", addr))
 
-    def _close_stalled_locked(self, addr: str, rec: Record, now: float, fx: Effects) -> None:
-        """Failed checks just excluded ``addr`` (unhealthy, or unready with readyz): its
-        connections stalled right now are closed at once, while another upstream serves
-        (the rest keep --unready-drain-timeout). They wait on an answer an upstream that
-        fails its checks is not giving: there is nothing to drain, and the client
-        reconnects to a serving one. Only with --stall-timeout."""
-        if self._stall_timeout <= 0 or not any(
-                a != addr and r.state.pickable and (r.state.ready or not self._readyz)
-                for a, r in self._ups.items()):
+    def _close_stalled_locked(self, addr: str, rec: Record, now: float, fx: Effects, *,
+                              excluded: bool) -> None:
+        """A check of ``addr`` failed (``excluded``: and failed checks just took it out of
+        service): its connections stalled right now are closed at once, while another
+        upstream serves (the rest keep --unready-drain-timeout once it is excluded). They
+        wait on an answer an upstream failing its checks is not giving: there is nothing
+        to drain, and the client reconnects to a serving one. Until its next check
+        decides, picks avoid it like a suspect, so the reconnect does not land on the
+        upstream it just left. Only with --stall-timeout."""
+        if self._stall_timeout <= 0 or not self._another_serves_locked(addr):
             return
         conns = [c for _, c, _ in self._sample_record_locked(rec, now, self._stall_timeout)]
         if conns:
+            if not excluded:
+                rec.failed_stalled = True
+                self._suspect = self._suspect | {addr}
             fx.log(logging.INFO, "closing stalled connections upstream=%s connections=%d "
-                   "reason=%r", addr, len(conns), "excluded by failed checks")
+                   "reason=%r", addr, len(conns),
+                   "excluded by failed checks" if excluded else "a check failed")
             fx.close.extend(conns)  # pipes detach themselves when they notice the close
+
+    def _another_serves_locked(self, addr: str) -> bool:
+        """Another upstream takes new connections in the normal course (sm.serving)."""
+        readyz = self._readyz
+        return any(a != addr and sm.serving(r.state, readyz=readyz)
+                   for a, r in self._ups.items())
+
+    def _keeps_last_locked(self, addr: str, before: UpstreamState, after: UpstreamState
+                           ) -> bool:
+        """--keep-last-ready: would this slow answer take the last upstream serving out of
+        service? Then readiness would fall back to every TCP-healthy upstream, a frozen
+        one included, and every drain would be called off: an overloaded survivor that
+        answers late serves better than that."""
+        return (self._keep_last_ready and sm.excluded(after) and not sm.excluded(before)
+                and sm.serving(before, readyz=self._readyz)
+                and not self._another_serves_locked(addr))
+
+    def _keep_last_locked(self, addr: str, rec: Record, before: UpstreamState, error: str,
+                          source: str, transitions: list[Transition], fx: Effects
+                          ) -> tuple[UpstreamState, list[Transition]]:
+        """Do not count the slow answer :meth:`_keeps_last_locked` found: the state
+        stays, the error shows, one warning says why."""
+        rec.kept_last += 1
+        fx.log(logging.WARNING, "slow answer not counted upstream=%s reason=%r source=%s "
+               "why=%r", addr, error, source,
+               "the last upstream serving (--keep-last-ready)")
+        return sm.kept(before, error, source), [t for t in transitions if t.kind == "check"]
 
     def _rebalance_blocker_locked(self) -> tuple[str, str] | None:
         """(reason, upstream) when another mechanism is moving connections right now."""
@@ -864,7 +918,7 @@ class Registry:
         if isinstance(target, Reservation):
             target.take_locked()
             addr = target.address
-            fx = self._record_dial_locked(addr, True, "", True, target.dial_seconds)
+            fx = self._record_dial_locked(addr, True, "", True, target.dial_seconds, False)
         else:
             addr = target
         rec = self._ups.get(addr)
@@ -972,7 +1026,7 @@ class Registry:
                        tier=self._latency.tier(addr) if latency else None,
                        rtt=self._latency.average(addr) if latency else None,
                        weight=self._weight_locked(addr, now) if slow else None,
-                       fair_share=shares.get(addr),
+                       fair_share=shares.get(addr), keep_last=self._keep_last_ready,
                        **(self._stall_view_locked(r, now) if stall > 0 else {}))
                 for addr, r in sorted(self._ups.items())
             )
@@ -993,6 +1047,7 @@ class Registry:
                 taken_wall=wall,
                 rebalance=self._rebalance,
                 stall_timeout=stall,
+                keep_last_ready=self._keep_last_ready,
             )
 
     def _stall_view_locked(self, rec: Record, now: float) -> dict[str, int]:

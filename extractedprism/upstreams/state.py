@@ -228,6 +228,24 @@ def on_probe(s: UpstreamState, result: ProbeResult, *, readyz: bool
     return s, out
 
 
+def serving(s: UpstreamState, *, readyz: bool) -> bool:
+    """Takes new connections in the normal course: pickable, and ready with readyz."""
+    return s.pickable and (s.ready or not readyz)
+
+
+def slow_answer(result: ProbeResult) -> bool:
+    """Connected, then no answer in time: the readyz request (or its TLS handshake) ran
+    out of --health-timeout. A refusal, a reset, a TLS error or a non-200 answer is an
+    answer; a frozen server and an overloaded one both look like this."""
+    return result.ok and result.ready is False and result.ready_reason == "timeout"
+
+
+def kept(s: UpstreamState, error: str, source: str) -> UpstreamState:
+    """A failure --keep-last-ready does not count (the last upstream serving answered too
+    slowly): the streaks stay where they were; the error shows as the latest check's."""
+    return _replace(s, last_check_error=error, last_error_source=source)
+
+
 def awaits_confirmation(s: UpstreamState) -> bool:
     """One failure short of exclusion: a healthy upstream with a TCP failure streak, or
     a ready one with a failed /readyz streak. The check that would confirm it runs

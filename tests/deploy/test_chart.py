@@ -50,6 +50,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "health-timeout": "5s",
     "health-recheck": "10s",
     "enable-discovery": False,
+    "keep-last-ready": True,
     "log-level": "debug",
     "liveness-interval": "2s",
     "liveness-threshold": "1m",
@@ -147,7 +148,7 @@ def test_every_flag_is_in_values_with_the_program_default(flag, chart_values) ->
     assert key in chart_values, f"values.yaml lacks {key} for {flag.option}"
     value = chart_values[key]
     if flag.name in CHART_DEFAULTS:
-        assert value == CHART_DEFAULTS[flag.name], key
+        assert _as_env(value) == _as_env(CHART_DEFAULTS[flag.name]), key
     elif flag.default is None:
         assert value in ("", [], None), f"{key}: {flag.option} has no default, values has {value!r}"
     else:

@@ -13,7 +13,7 @@ from extractedprism.health.metrics import Metrics
 from extractedprism.upstreams.activity import Activity
 from extractedprism.upstreams.effects import Change
 from extractedprism.upstreams.registry import Registry
-from tests.unit.test_registry import DOWN, EPS, A, B, Clock, Conn, ready
+from tests.unit.test_registry import DOWN, EPS, A, B, C, Clock, Conn, ready
 
 T = 2.0  # --stall-timeout
 
@@ -225,7 +225,7 @@ def test_a_stall_checks_result_counts_like_any_other_and_is_counted_and_logged(c
 
 
 @pytest.mark.parametrize("readyz", [True, False], ids=["readyz", "tcp"])
-def test_at_the_exclusion_its_stalled_connections_close_and_the_others_stay(readyz):
+def test_a_failed_check_closes_its_stalled_connections_and_the_others_stay(readyz):
     rig = Rig(readyz=readyz)
     stalled, quiet, fresh = rig.conn(A, "stalled"), rig.conn(A, "quiet"), rig.conn(A, "fresh")
     for c in (stalled, quiet, fresh):
@@ -236,12 +236,72 @@ def test_at_the_exclusion_its_stalled_connections_close_and_the_others_stay(read
     rig.sample(T)
     ask(fresh)  # unanswered, but not for a stall timeout yet
     fail = ready(False) if readyz else DOWN
+    # The first failed check: what waits on an answer goes now (the client reconnects
+    # elsewhere); the upstream itself stays in service until the confirming check.
     rig.reg.record_probe(A, fail, stall=True)
-    assert not stalled.closed  # one failed check excludes nothing, closes nothing
+    assert stalled.closed and not quiet.closed and not fresh.closed
+    view = rig.reg.snapshot().get(A)
+    assert view.ready if readyz else view.healthy
+    rig.reg.detach(A, stalled)
     rig.reg.record_probe(A, fail)
     view = rig.reg.snapshot().get(A)
     assert (not view.ready) if readyz else (not view.healthy)
-    assert stalled.closed and not quiet.closed and not fresh.closed
+    assert not quiet.closed and not fresh.closed  # they keep --unready-drain-timeout
+
+
+def test_a_passed_check_closes_nothing():
+    rig = Rig()
+    c = rig.conn(A, "slow-list")
+    answer(c)
+    rig.sample()
+    ask(c)
+    rig.sample(0.1)
+    assert rig.sample(T)
+    rig.reg.record_probe(A, ready(True), stall=True)
+    rig.sample(2 * T)  # the second look
+    rig.reg.record_probe(A, ready(True), stall=True)
+    assert not c.closed and rig.reg.snapshot().get(A).ready
+
+
+@pytest.mark.parametrize("selection", ["random", "least-conn"])
+def test_after_a_failed_check_closed_its_stalled_connections_picks_avoid_it_until_the_next(
+        selection):
+    # The reconnect of a connection just closed must not land on the upstream it left:
+    # with least-conn that one now has the fewest connections.
+    rig = Rig()
+    rig.reg = Registry(clock=rig.clock, readyz=True, stall_timeout=T, selection=selection,
+                       unready_drain_timeout=30.0)
+    rig.reg.set_endpoints(EPS)
+    for addr in (str(e) for e in EPS):
+        rig.reg.record_probe(addr, ready(True))
+    others = {B, C}
+    for i, addr in enumerate(sorted(others)):
+        answer(rig.conn(addr, f"busy{i}"))
+    c = rig.conn(A, "kubelet")
+    answer(c)
+    rig.sample()
+    ask(c)
+    rig.sample(0.1)
+    rig.sample(T)
+    rig.reg.record_probe(A, ready(False), stall=True)
+    assert c.closed
+    rig.reg.detach(A, c)
+    for _ in range(3):  # samples come and go: still avoided, no check has decided
+        rig.sample(T / 8)
+        assert picks(rig.reg) == others
+    rig.reg.record_probe(A, ready(True))  # the next check passes: back in the picks
+    rig.sample(T / 8)
+    assert A in picks(rig.reg)
+
+
+def picks(reg: Registry, n: int = 60) -> set[str]:
+    out = set()
+    for _ in range(n):
+        res = reg.reserve()
+        assert res is not None
+        out.add(res.address)
+        res.release()
+    return out
 
 
 def test_no_close_at_the_exclusion_when_no_other_upstream_serves():

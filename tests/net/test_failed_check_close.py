@@ -1,0 +1,130 @@
+"""Two rules the 100-node freeze asked for, black-box on loopback with real TLS upstreams:
+
+* with ``--stall-timeout``, a failed check closes its upstream's stalled connections at
+  once (already the first failed check, not only the confirming one that excludes), and
+  the reconnect avoids that upstream until its next check decides;
+* ``--keep-last-ready``: a readyz probe that runs out of ``--health-timeout`` does not
+  take the last upstream serving out of service (off: it does, as the spec says).
+
+Bounds come from the flags each test passes; SLACK covers scheduling on a shared
+2-core machine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import trustme
+
+from extractedprism.upstreams.sampler import stall_sample_period
+from tests.net.test_stall import (
+    RELAYS,
+    SLACK,
+    Client,
+    StallingUpstream,
+    clients,
+    start,
+    view,
+)
+from tests.util import http, wait_until
+
+__all__ = ["clients"]  # the fixture, shared with test_stall
+
+STALL, TIMEOUT = 0.8, 0.25
+# A long recheck: the close at the first failed check and the exclusion by the confirming
+# one are seconds apart, so a test can tell them apart without racing.
+RECHECK = 3.0
+PERIOD = stall_sample_period(STALL)
+
+
+class SlowReadyz(StallingUpstream):
+    """Answers /readyz ``readyz_delay`` seconds late (an overloaded survivor), every
+    other request at once."""
+
+    readyz_delay = 0.0
+
+    def _route(self, conn: Any, method: str, route: str, body: bytes,
+               keep_alive: bool) -> bool:
+        if route == "/readyz" and self.readyz_delay and self.closing.wait(self.readyz_delay):
+            return False
+        return super()._route(conn, method, route, body, keep_alive)
+
+
+@pytest.fixture
+def ups(ca: trustme.CA):  # type: ignore[no-untyped-def]
+    made = [SlowReadyz(ca=ca, name=f"up{i}").start() for i in range(2)]
+    yield made
+    for u in made:
+        u.answering.set()
+        u.stop()
+
+
+@pytest.mark.timeout(60)
+@RELAYS
+def test_the_first_failed_check_closes_the_stalled_connection_and_the_reconnect_goes_elsewhere(
+        make_app, ups, ca, tmp_path, clients, relay):
+    app = start(make_app, ups, ca, tmp_path, relay=relay, health_timeout=TIMEOUT,
+                health_recheck=RECHECK, upstream_selection="least-conn")
+    bad = ups[0]
+    # least-conn would send the reconnect to up0: up1 carries two connections, up0 none
+    # once the stalled one is closed.
+    stalled = clients(app, ca, "up0")
+    clients(app, ca, "up1")
+    clients(app, ca, "up1")
+    bad.silence()  # a frozen server: requests and /readyz hang
+    t0 = time.monotonic()
+    stalled.send("/whoami")
+    first = wait_until(lambda: bad.readyz_after(t0), STALL + PERIOD + SLACK,
+                       message="a stall-triggered check")[0]
+    # Closed when that first check fails (TIMEOUT after it starts), not when the
+    # confirming check RECHECK later excludes up0.
+    assert stalled.closed_within(TIMEOUT + SLACK), "the stalled connection stayed open"
+    closed = time.monotonic()
+    assert closed - first < RECHECK, closed - first
+    assert app.registry.snapshot().get(bad.address).readiness == "ready"  # one failure
+    # The client reconnects: not to up0, though it now has the fewest connections.
+    for _ in range(3):
+        again = Client(app, ca)
+        try:
+            assert again.get("/whoami") == b"up1"
+        finally:
+            again.close()
+    wait_until(lambda: app.registry.snapshot().get(bad.address).readiness == "unready",
+               RECHECK + TIMEOUT + SLACK, message="up0 excluded by the confirming check")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("keep", [True, False], ids=["keep-last-ready", "off"])
+def test_the_last_upstream_answering_readyz_late_stays_in_service(
+        make_app, ups, ca, tmp_path, clients, keep):
+    interval = 0.5
+    app = start(make_app, ups, ca, tmp_path, health_interval=interval,
+                health_timeout=TIMEOUT, health_recheck=0.2, stall_timeout=0.0,
+                keep_last_ready=keep)
+    slow, gone = ups
+    gone.stop()  # refused: excluded by its checks, whatever the flag
+    wait_until(lambda: app.registry.snapshot().get(gone.address).readiness == "unready",
+               2 * interval + 2 * TIMEOUT + SLACK, message="up1 excluded")
+    slow.readyz_delay = 2 * TIMEOUT  # every probe of up0 now runs out of the timeout
+    # Three scheduled rounds: enough for two failures in a row (and the recheck).
+    window = 3 * interval + 2 * TIMEOUT + SLACK
+    if keep:
+        entry = wait_until(lambda: (e := view(app, slow))["kept_last"] and e, window,
+                           message="a slow answer not counted")
+        assert entry["ready"] and entry["last_check_error"] == "timeout"
+        deadline = time.monotonic() + window
+        while time.monotonic() < deadline:  # stays ready round after round
+            assert app.registry.snapshot().get(slow.address).readiness == "ready"
+            time.sleep(0.05)
+        assert view(app, slow)["kept_last"] >= 2
+        text = http(app.health_address, "/metrics")[2].decode()
+        assert f'extractedprism_kept_last_total{{upstream="{slow.address}"}}' in text
+        # New connections still reach it (not panic mode's every TCP-healthy upstream).
+        assert clients(app, ca, "up0").get("/whoami") == b"up0"
+        assert not app.registry.snapshot().panic
+    else:
+        wait_until(lambda: app.registry.snapshot().get(slow.address).readiness == "unready",
+                   window, message="up0 unready by two slow answers (the spec)")
+        assert view(app, slow)["kept_last"] is None
