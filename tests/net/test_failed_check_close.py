@@ -13,52 +13,28 @@ Bounds come from the flags each test passes; SLACK covers scheduling on a shared
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
-import trustme
 
 from extractedprism.upstreams.sampler import stall_sample_period
 from tests.net.test_stall import (
     RELAYS,
     SLACK,
     Client,
-    StallingUpstream,
     clients,
     start,
+    ups,
     view,
 )
 from tests.util import http, wait_until
 
-__all__ = ["clients"]  # the fixture, shared with test_stall
+__all__ = ["clients", "ups"]  # the fixtures, shared with test_stall
 
 STALL, TIMEOUT = 0.8, 0.25
 # A long recheck: the close at the first failed check and the exclusion by the confirming
 # one are seconds apart, so a test can tell them apart without racing.
 RECHECK = 3.0
 PERIOD = stall_sample_period(STALL)
-
-
-class SlowReadyz(StallingUpstream):
-    """Answers /readyz ``readyz_delay`` seconds late (an overloaded survivor), every
-    other request at once."""
-
-    readyz_delay = 0.0
-
-    def _route(self, conn: Any, method: str, route: str, body: bytes,
-               keep_alive: bool) -> bool:
-        if route == "/readyz" and self.readyz_delay and self.closing.wait(self.readyz_delay):
-            return False
-        return super()._route(conn, method, route, body, keep_alive)
-
-
-@pytest.fixture
-def ups(ca: trustme.CA):  # type: ignore[no-untyped-def]
-    made = [SlowReadyz(ca=ca, name=f"up{i}").start() for i in range(2)]
-    yield made
-    for u in made:
-        u.answering.set()
-        u.stop()
 
 
 @pytest.mark.timeout(60)

@@ -45,8 +45,8 @@ RELAYS = pytest.mark.parametrize("relay", ["native", "python"])
 
 
 class StallingUpstream(FakeUpstream):
-    """A FakeUpstream that can stop answering (``silence``) and answers ``/slow`` after
-    ``slow_delay`` seconds."""
+    """A FakeUpstream that can stop answering (``silence``), answers ``/slow`` after
+    ``slow_delay`` seconds and /readyz after ``readyz_delay``."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
@@ -55,6 +55,7 @@ class StallingUpstream(FakeUpstream):
         self.slow_delay = 0.0
         self.silenced_at = 0.0
         self.readyz_lag: float | None = None
+        self.readyz_delay = 0.0
 
     def silence(self, readyz_lag: float | None = None) -> None:
         """Stop answering. ``readyz_lag``: /readyz still answers, 200 for that many
@@ -66,6 +67,8 @@ class StallingUpstream(FakeUpstream):
 
     def _route(self, conn: socket.socket, method: str, route: str, body: bytes,
                keep_alive: bool) -> bool:
+        if route == "/readyz" and self.readyz_delay and self.closing.wait(self.readyz_delay):
+            return False  # an overloaded server's late /readyz (test_failed_check_close)
         if route == "/readyz" and not self.answering.is_set() and self.readyz_lag is not None:
             self.ready_status = (200 if time.monotonic() - self.silenced_at < self.readyz_lag
                                  else 500)

@@ -83,11 +83,13 @@ def test_off_never_stalls():
 
 
 class Rig:
-    def __init__(self, *, stall: float = T, readyz: bool = True) -> None:
+    def __init__(self, *, stall: float = T, readyz: bool = True,
+                 selection: str = "random") -> None:
         self.clock = Clock()
         self.changes: list[Change] = []
         self.reg = Registry(clock=self.clock, readyz=readyz, stall_timeout=stall,
-                            unready_drain_timeout=30.0, on_change=self.changes.append)
+                            selection=selection, unready_drain_timeout=30.0,
+                            on_change=self.changes.append)
         self.reg.set_endpoints(EPS)
         for addr in (str(e) for e in EPS):
             self.reg.record_probe(addr, ready(True))
@@ -96,6 +98,16 @@ class Rig:
     def conn(self, addr: str, name: str) -> Conn:
         c = Conn(name)
         assert self.reg.attach(addr, c)
+        return c
+
+    def stalled(self, addr: str, name: str) -> Conn:
+        """A connection on ``addr`` whose request has gone unanswered for T."""
+        c = self.conn(addr, name)
+        answer(c)
+        self.sample()
+        ask(c)
+        self.sample(0.1)
+        self.sample(T)
         return c
 
     def sample(self, after: float = 0.0) -> list[Change]:
@@ -251,12 +263,7 @@ def test_a_failed_check_closes_its_stalled_connections_and_the_others_stay(ready
 
 def test_a_passed_check_closes_nothing():
     rig = Rig()
-    c = rig.conn(A, "slow-list")
-    answer(c)
-    rig.sample()
-    ask(c)
-    rig.sample(0.1)
-    assert rig.sample(T)
+    c = rig.stalled(A, "slow-list")
     rig.reg.record_probe(A, ready(True), stall=True)
     rig.sample(2 * T)  # the second look
     rig.reg.record_probe(A, ready(True), stall=True)
@@ -268,21 +275,11 @@ def test_after_a_failed_check_closed_its_stalled_connections_picks_avoid_it_unti
         selection):
     # The reconnect of a connection just closed must not land on the upstream it left:
     # with least-conn that one now has the fewest connections.
-    rig = Rig()
-    rig.reg = Registry(clock=rig.clock, readyz=True, stall_timeout=T, selection=selection,
-                       unready_drain_timeout=30.0)
-    rig.reg.set_endpoints(EPS)
-    for addr in (str(e) for e in EPS):
-        rig.reg.record_probe(addr, ready(True))
+    rig = Rig(selection=selection)
     others = {B, C}
     for i, addr in enumerate(sorted(others)):
         answer(rig.conn(addr, f"busy{i}"))
-    c = rig.conn(A, "kubelet")
-    answer(c)
-    rig.sample()
-    ask(c)
-    rig.sample(0.1)
-    rig.sample(T)
+    c = rig.stalled(A, "kubelet")
     rig.reg.record_probe(A, ready(False), stall=True)
     assert c.closed
     rig.reg.detach(A, c)
@@ -335,12 +332,7 @@ def test_off_tracks_nothing_and_shows_nulls():
 
 @pytest.mark.parametrize("selection", ["random", "least-conn"])
 def test_new_connections_avoid_a_suspect_while_another_upstream_can_take_them(selection):
-    rig = Rig()
-    rig.reg = Registry(clock=rig.clock, readyz=True, stall_timeout=T, selection=selection,
-                       unready_drain_timeout=30.0)
-    rig.reg.set_endpoints(EPS)
-    for addr in (str(e) for e in EPS):
-        rig.reg.record_probe(addr, ready(True))
+    rig = Rig(selection=selection)
     others = {str(e) for e in EPS} - {A}
 
     def picks(n: int = 60) -> set[str]:
@@ -381,12 +373,7 @@ def test_a_retry_or_hedge_avoids_a_suspect_while_another_upstream_is_left(select
     """Issue 29: the pick of a retry or of the first answer's hedge (a pick with
     upstreams already tried) follows the first pick's rule: a suspect takes it only when
     nothing else is left."""
-    rig = Rig()
-    rig.reg = Registry(clock=rig.clock, readyz=True, stall_timeout=T, selection=selection,
-                       unready_drain_timeout=30.0)
-    rig.reg.set_endpoints(EPS)
-    for addr in (str(e) for e in EPS):
-        rig.reg.record_probe(addr, ready(True))
+    rig = Rig(selection=selection)
     b, c3 = sorted({str(e) for e in EPS} - {A})
 
     def picks(exclude: set[str], n: int = 60) -> set[str]:
