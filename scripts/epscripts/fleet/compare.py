@@ -474,6 +474,7 @@ class Cell:
         self.sampler = observe.Sampler(cp, fleet.nodes, period=1.0)
         self.writer = Writer(cp)
         monitor = Monitor(fleet)
+        self.pause_watch = observe.PauseWatch(CELL_MAX_S)
         peers = {fleet.state["nodes"][n]["ip"]: n for n in fleet.nodes}
 
         def conns() -> None:
@@ -488,6 +489,7 @@ class Cell:
 
         conn_every = observe.Every("compare-connections", CONN_PERIOD, conns, CELL_MAX_S)
         self._start_clients(CELL_MAX_S)
+        self.pause_watch.start()
         self.sampler.start()
         self.writer.every.start()
         monitor.every.start()
@@ -496,6 +498,7 @@ class Cell:
             return self._run(t_cell, monitor)
         finally:
             conn_every.stop()
+            self.pause_watch.stop()
             monitor.every.stop()
             self.writer.every.stop()
             self.sampler.stop()
@@ -591,6 +594,8 @@ class Cell:
                      "max": max(monitor.load, default=0.0)},
             "writer_failures": self.writer.failures,
             "sampler_failed_polls": self.sampler.failed_polls,
+            # The machine stopped (observe.PauseWatch): [seconds after the fault, seconds].
+            "host_pauses": [[round(t - t_fault, 1), d] for t, d in self.pause_watch.pauses],
             "cell_s": round(time.monotonic() - t_cell, 1),
         }
 

@@ -212,8 +212,18 @@ def _details(row: dict[str, Any]) -> str:
         + f" over {row['fault_window_s']:g} s",
         f"load average mean {row['load']['mean']:g}, max {row['load']['max']:g}",
         f"writer failures {row['writer_failures']}" if row["writer_failures"] else "",
+        _pauses(row),
         "; ".join(row["notes"]),
     ] if x)
+
+
+def _pauses(row: dict[str, Any]) -> str:
+    """The machine stopped during the cell (older results have no such field)."""
+    pauses = row.get("host_pauses") or []
+    if not pauses:
+        return ""
+    return ("THE MACHINE STOPPED " + ", ".join(f"{d:g} s at {t:+g} s" for t, d in pauses)
+            + " (every process, the measuring ones too: this row's gaps include it)")
 
 
 def _exposed(row: dict[str, Any]) -> str:
@@ -396,6 +406,7 @@ def _brief(row: dict[str, Any]) -> str:
         f"over {row['fault_window_s']:g} s",
         f"load average mean {row['load']['mean']:g}, max {row['load']['max']:g}",
         f"writer failures {row['writer_failures']}" if row["writer_failures"] else "",
+        _pauses(row),
         "; ".join(row["notes"]),
     ] if x)
 

@@ -207,6 +207,45 @@ class Every:
             self._stop.wait(max(0.0, self.period - (time.monotonic() - t0)))
 
 
+PAUSE_MIN_S = 3.0  # a wakeup this late is the machine stopping, not scheduling on 2 CPUs
+
+
+class PauseWatch:
+    """Notices the whole machine stopping: a thread that wakes every 0.25 s and keeps every
+    wakeup that came PAUSE_MIN_S or more late, by the wall clock or the monotonic one
+    (a paused or snapshotted VM: the kernel logs ``crng reseeded due to virtual machine
+    fork`` as it resumes). Every process stops with it, the measured ones and the
+    measuring ones alike, so a cell with a pause has gaps that are the machine's."""
+
+    TICK = 0.25
+
+    def __init__(self, max_s: float = MAX_RUN_S) -> None:
+        self.pauses: list[tuple[float, float]] = []  # (time.time() it began, seconds)
+        self.max_s = max_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pause-watch", daemon=True)
+
+    def start(self) -> PauseWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        wall, mono = time.time(), time.monotonic()
+        end = mono + self.max_s
+        for _ in range(int(self.max_s / self.TICK) + 1):
+            if self._stop.wait(self.TICK) or time.monotonic() > end:
+                return
+            now_wall, now_mono = time.time(), time.monotonic()
+            late = max(now_wall - wall, now_mono - mono) - self.TICK
+            if late >= PAUSE_MIN_S:
+                self.pauses.append((wall, round(late, 2)))
+            wall, mono = now_wall, now_mono
+
+
 @dataclass
 class Sample:
     t: float  # time.time() of the sample
