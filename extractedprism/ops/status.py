@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -421,6 +422,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return status
     clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
     status = UNREACHABLE
+    # "Ctrl-C stops" holds however we were started: Python leaves SIGINT ignored when it
+    # inherits it ignored (a script's background job, `nohup`), and then only SIGKILL
+    # would end the loop.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             status, text = once(address, args.json, timeout)

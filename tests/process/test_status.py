@@ -141,14 +141,23 @@ def test_needs_no_endpoints_and_ignores_them(up, tmp_path: Path):
     assert res.returncode == 0, res.stderr
 
 
+def _sigint(disposition: signal.Handlers):
+    def preexec() -> None:
+        signal.signal(signal.SIGINT, disposition)
+    return preexec
+
+
 @pytest.mark.timeout(60)
-def test_watch_redraws_until_interrupted(up, tmp_path: Path):
+# Started from a terminal (SIGINT at its default) and from a script's background job or
+# nohup (SIGINT inherited ignored, which Python would leave ignored): Ctrl-C stops both.
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_watch_redraws_until_interrupted(up, tmp_path: Path, inherited: signal.Handlers):
     p = start_proxy(tmp_path, "--endpoints", up.address, "--enable-discovery=false")
     env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
     # Bare seconds, as an operator types them: the header says the unit (issue 30).
     proc = subprocess.Popen([PYTHON, "-m", "extractedprism", "status", "--watch", "0.2",
                              "--health-port", str(p.health)], stdout=subprocess.PIPE,
-                            text=True, cwd=ROOT, env=env)
+                            text=True, cwd=ROOT, env=env, preexec_fn=_sigint(inherited))
     frames: list[str] = []
     headers: list[str] = []
     try:
