@@ -95,7 +95,7 @@ class App:
             rebalance_quiet=config.rebalance_quiet,
             slow_start=config.slow_start,
             stall_timeout=config.stall_timeout,
-            keep_last_ready=config.keep_last_ready,
+            overload_guard=config.overload_guard,
         )
         self.metrics.attach_state(self.registry.snapshot)
         self.started_wall = time.time()

@@ -55,9 +55,9 @@ PRODUCTION: tuple[Setting, ...] = (
     Setting("unready-drain-timeout", "1s",
             "an unready API server's watches move 1 s after its exclusion (not the 30 s kept for "
             "removed ones)"),
-    Setting("keep-last-ready", "true",
-            "a survivor answering late in the stampede after a failure stays in service "
-            "when it is the last one"),
+    Setting("overload-guard", "true",
+            "servers all answering late in a stampede stay in service: overload closes "
+            "no connection"),
     Setting("stall-timeout", "2s",
             "a request unanswered for 2 s (the node's own traffic) runs its API server's "
             "next check now"),

@@ -247,15 +247,16 @@ FLAGS: tuple[Flag, ...] = (
         group="health",
     ),
     Flag(
-        "keep-last-ready",
+        "overload-guard",
         "bool",
         "false",
         "A slow answer (connected, but the readyz probe or a client's first answer ran out "
-        "of --health-timeout) does not take the last upstream serving out of service: "
-        "counting it would send new connections to every TCP-healthy upstream, a frozen "
-        "one included, and call every drain off; refusals, resets, TLS errors and "
-        "non-200 answers still count, and so does a slow answer while another upstream "
-        "serves",
+        "of --health-timeout) counts as a failure only while another upstream in service "
+        "answers in time (its latest check passed, no stalled connection); when every "
+        "one serving is slow (an overloaded control plane, or the last one left) it is "
+        "not counted, so overload does not take servers out of service in turn and "
+        "close their connections; refusals, resets, TLS errors and non-200 answers always "
+        "count",
         group="health",
     ),
     Flag(

@@ -28,8 +28,8 @@ stall check's ``stalls`` (stalls seen on its connections, one per unanswered str
 connection), ``stalled_connections`` (its live connections stalled at the last sample)
 and ``stall_checks`` (``failed``/``passed``: the checks stalls asked for, as
 extractedprism_stall_checks_total), all three null when ``--stall-timeout`` is 0;
-``kept_last`` (slow answers not counted because it was the last upstream serving, as
-extractedprism_kept_last_total; null when ``--keep-last-ready`` is off).
+``slow_not_counted`` (slow answers not counted against it because no faster upstream
+served, as extractedprism_slow_not_counted_total; null when ``--overload-guard`` is off).
 
 Top level, ``rebalance``: ``enabled``, and while on ``interval_seconds``,
 ``quiet_seconds``, ``rounds``, ``closes``, ``last_round_at``, ``last_acted_at`` (the
@@ -117,7 +117,7 @@ def upstream_entry(u: UpstreamView, wall: _Clock, live: int = 0) -> dict[str, An
         "stalled_connections": u.stalled_connections,
         "stall_checks": None if u.stalls is None else {
             r: dict(u.stall_checks).get(r, 0) for r in STALL_CHECK_RESULTS},
-        "kept_last": u.kept_last,
+        "slow_not_counted": u.slow_not_counted,
     }
 
 

@@ -183,16 +183,16 @@ class StateCollector(Collector):
                 for result in STALL_CHECK_RESULTS:
                     stalls.add_metric([u.address, result], done.get(result, 0))
             yield stalls
-        if snap.keep_last_ready:
+        if snap.overload_guard:
             kept = CounterMetricFamily(
-                PREFIX + "kept_last_total",
+                PREFIX + "slow_not_counted_total",
                 "Slow answers (readyz probe or a client's first answer past "
-                "--health-timeout) not counted against an upstream because it was the last "
-                "one serving (--keep-last-ready only)",
+                "--health-timeout) not counted against an upstream because no faster one "
+                "served (--overload-guard only)",
                 labels=["upstream"],
             )
             for u in snap.upstreams:
-                kept.add_metric([u.address], u.kept_last or 0)
+                kept.add_metric([u.address], u.slow_not_counted or 0)
             yield kept
         yield dials
         for name, doc, value in GAUGES:

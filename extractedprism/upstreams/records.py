@@ -95,8 +95,8 @@ class Record:
     # A check failed while a connection of it was stalled (the stalled ones were closed):
     # picks avoid it like a suspect until its next check decides (Registry.record_probe).
     failed_stalled: bool = False
-    # --keep-last-ready: slow answers not counted because it was the last one serving.
-    kept_last: int = 0
+    # --overload-guard: slow answers not counted because no faster upstream served.
+    slow_not_counted: int = 0
     stall_check_at: float | None = None
     stall_trigger: StallTrigger | None = None
     # Slow start (--slow-start): serving now (pickable, and ready with readyz); has
@@ -135,7 +135,7 @@ class Record:
     def view(self, addr: str, *, readyz: bool, tier: int | None, rtt: float | None,
              weight: float | None = None, fair_share: float | None = None,
              stalls: int | None = None, stalled_connections: int | None = None,
-             keep_last: bool = False) -> UpstreamView:
+             overload_guard: bool = False) -> UpstreamView:
         live = self.conns.values()
         return UpstreamView.of(
             addr, self.state, readyz=readyz, tier=tier, rtt=rtt, active=len(self.conns),
@@ -151,7 +151,7 @@ class Record:
             stall_checks=tuple(sorted(self.stall_checks.items())),
             answer_hedges=tuple(sorted(self.answer_hedges.items())),
             dials_in_flight=self.dialing, dial_stalled=self.stalled,
-            kept_last=self.kept_last if keep_last else None)
+            slow_not_counted=self.slow_not_counted if overload_guard else None)
 
 
 def spread(ids: list[int], now: float, over: float) -> list[tuple[float, int]]:

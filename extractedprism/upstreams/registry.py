@@ -102,7 +102,7 @@ class Registry:
         rebalance_quiet: float = 5.0,
         slow_start: float = 0.0,
         stall_timeout: float = 0.0,
-        keep_last_ready: bool = False,
+        overload_guard: bool = False,
     ) -> None:
         self.lock = threading.RLock()
         self._selection = selection
@@ -141,9 +141,10 @@ class Registry:
         # The stall check (0: off). Connections' activity is sampled (conn-sampler) only
         # when it or rebalancing is on.
         self._stall_timeout = stall_timeout
-        # --keep-last-ready: a slow answer (sm.slow_answer, or a client's first answer
-        # past --health-timeout) does not exclude the last upstream serving.
-        self._keep_last_ready = keep_last_ready
+        # --overload-guard: a slow answer (sm.slow_answer, or a client's first answer
+        # past --health-timeout) counts only while a faster peer serves
+        # (_slow_not_counted_locked).
+        self._overload_guard = overload_guard
         # Upstreams with a stalled connection at the last sample: new connections go
         # elsewhere while another eligible upstream has none (_choose_locked).
         self._suspect: frozenset[str] = frozenset()
@@ -548,9 +549,9 @@ class Registry:
             before = rec.state
             state, transitions = sm.on_probe(rec.state, result, readyz=self._readyz)
             error = result.reason or result.ready_reason
-            held = sm.slow_answer(result) and self._keeps_last_locked(addr, before, state)
+            held = sm.slow_answer(result) and self._slow_not_counted_locked(addr, before)
             if held:
-                state, transitions = self._keep_last_locked(addr, rec, before, error,
+                state, transitions = self._not_counted_locked(addr, rec, before, error,
                                                             "probe", transitions, fx)
             rec.state = state
             confirm = sm.awaits_confirmation(rec.state) and not held
@@ -558,7 +559,7 @@ class Registry:
                 self._stall_result_locked(addr, rec, result, now, fx)
             fx.transitions(addr, transitions)
             rec.failed_stalled = False  # this check decided; a failure below sets it again
-            if error:
+            if error and not held:
                 # A failed check (the first, or the one that excludes) closes the
                 # connections stalled now: they wait on an answer a server failing its
                 # checks is not giving; the rest wait for the confirming check.
@@ -591,7 +592,7 @@ class Registry:
         """A client dial's outcome counts toward the same streak as health checks;
         ``duration`` (seconds, successful or not) feeds the dial-time histogram;
         ``slow``: connected, but no first answer within --health-timeout (what
-        --keep-last-ready does not count against the last upstream serving)."""
+        --overload-guard does not count while no faster upstream serves)."""
         with self.lock:
             fx = self._record_dial_locked(addr, ok, reason, count_error, duration, slow)
         if fx is not None:
@@ -617,8 +618,8 @@ class Registry:
         if state is rec.state:
             return None  # the common case: nothing to change, nobody to wake
         fx = Effects()
-        if slow and self._keeps_last_locked(addr, rec.state, state):
-            state, transitions = self._keep_last_locked(addr, rec, rec.state, reason, "dial",
+        if slow and self._slow_not_counted_locked(addr, rec.state):
+            state, transitions = self._not_counted_locked(addr, rec, rec.state, reason, "dial",
                                                         transitions, fx)
             probe = False
         recheck = not ok and sm.awaits_confirmation(state) and not sm.awaits_confirmation(
@@ -787,25 +788,34 @@ class Registry:
         return any(a != addr and sm.serving(r.state, readyz=readyz)
                    for a, r in self._ups.items())
 
-    def _keeps_last_locked(self, addr: str, before: UpstreamState, after: UpstreamState
-                           ) -> bool:
-        """--keep-last-ready: would this slow answer take the last upstream serving out of
-        service? Then readiness would fall back to every TCP-healthy upstream, a frozen
-        one included, and every drain would be called off: an overloaded survivor that
-        answers late serves better than that."""
-        return (self._keep_last_ready and sm.excluded(after) and not sm.excluded(before)
-                and sm.serving(before, readyz=self._readyz)
-                and not self._another_serves_locked(addr))
+    def _slow_not_counted_locked(self, addr: str, before: UpstreamState) -> bool:
+        """--overload-guard: is this slow answer (connected, then nothing within
+        --health-timeout) the control plane's rather than this upstream's? It counts only
+        against a faster peer: another upstream in service whose latest check (or dial)
+        succeeded and that has no stalled connection. Without one, every upstream serving
+        is slow (or it is the last one serving): the survivors of a fault overloaded by
+        the clients it moved, or a control plane saturated as a whole. Counting then
+        would take them out of service in turn, close their connections and send every
+        client into new handshakes and re-lists on the others: the overload feeding
+        itself. A frozen upstream beside healthy ones still counts, at once."""
+        if not self._overload_guard or not sm.serving(before, readyz=self._readyz):
+            return False
+        readyz = self._readyz
+        marked = self._marked_locked()
+        return not any(a != addr and a not in marked and not r.state.last_check_error
+                       and sm.serving(r.state, readyz=readyz)
+                       for a, r in self._ups.items())
 
-    def _keep_last_locked(self, addr: str, rec: Record, before: UpstreamState, error: str,
-                          source: str, transitions: list[Transition], fx: Effects
-                          ) -> tuple[UpstreamState, list[Transition]]:
-        """Do not count the slow answer :meth:`_keeps_last_locked` found: the state
-        stays, the error shows, one warning says why."""
-        rec.kept_last += 1
+    def _not_counted_locked(self, addr: str, rec: Record, before: UpstreamState, error: str,
+                            source: str, transitions: list[Transition], fx: Effects
+                            ) -> tuple[UpstreamState, list[Transition]]:
+        """Do not count the slow answer :meth:`_slow_not_counted_locked` found: the
+        streaks stay, the error shows as the latest check's (so this upstream is not
+        anyone's faster peer either), one warning says why."""
+        rec.slow_not_counted += 1
         fx.log(logging.WARNING, "slow answer not counted upstream=%s reason=%r source=%s "
                "why=%r", addr, error, source,
-               "the last upstream serving (--keep-last-ready)")
+               "no other upstream in service answers in time (--overload-guard)")
         return sm.kept(before, error, source), [t for t in transitions if t.kind == "check"]
 
     def _rebalance_blocker_locked(self) -> tuple[str, str] | None:
@@ -1026,7 +1036,7 @@ class Registry:
                        tier=self._latency.tier(addr) if latency else None,
                        rtt=self._latency.average(addr) if latency else None,
                        weight=self._weight_locked(addr, now) if slow else None,
-                       fair_share=shares.get(addr), keep_last=self._keep_last_ready,
+                       fair_share=shares.get(addr), overload_guard=self._overload_guard,
                        **(self._stall_view_locked(r, now) if stall > 0 else {}))
                 for addr, r in sorted(self._ups.items())
             )
@@ -1047,7 +1057,7 @@ class Registry:
                 taken_wall=wall,
                 rebalance=self._rebalance,
                 stall_timeout=stall,
-                keep_last_ready=self._keep_last_ready,
+                overload_guard=self._overload_guard,
             )
 
     def _stall_view_locked(self, rec: Record, now: float) -> dict[str, int]:

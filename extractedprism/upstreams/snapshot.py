@@ -106,9 +106,9 @@ class UpstreamView:
     stalls: int | None = None
     stalled_connections: int | None = None
     stall_checks: tuple[tuple[str, int], ...] = ()
-    # --keep-last-ready (None: off): slow answers not counted against it because it was
-    # the last upstream serving.
-    kept_last: int | None = None
+    # --overload-guard (None: off): slow answers not counted against it because no
+    # faster upstream served.
+    slow_not_counted: int | None = None
     # Picked and dialing: reservations held (least-conn counts them). Each ends at attach
     # or release, so a count that never returns to 0 is a leaked reservation.
     dials_in_flight: int = 0
@@ -175,7 +175,7 @@ class Snapshot:
     taken_wall: float = 0.0  # time.time() at the same moment
     rebalance: RebalanceView | None = None  # None: --rebalance-interval 0
     stall_timeout: float = 0.0  # --stall-timeout (0: the stall check is off)
-    keep_last_ready: bool = False  # --keep-last-ready
+    overload_guard: bool = False  # --overload-guard
 
     def get(self, address: str) -> UpstreamView | None:
         return next((u for u in self.upstreams if u.address == address), None)

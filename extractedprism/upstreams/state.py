@@ -241,8 +241,8 @@ def slow_answer(result: ProbeResult) -> bool:
 
 
 def kept(s: UpstreamState, error: str, source: str) -> UpstreamState:
-    """A failure --keep-last-ready does not count (the last upstream serving answered too
-    slowly): the streaks stay where they were; the error shows as the latest check's."""
+    """A slow answer --overload-guard does not count (no faster upstream serves): the
+    streaks stay where they were; the error shows as the latest check's."""
     return _replace(s, last_check_error=error, last_error_source=source)
 
 

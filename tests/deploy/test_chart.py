@@ -50,7 +50,7 @@ NON_DEFAULTS: dict[str, Any] = {
     "health-timeout": "5s",
     "health-recheck": "10s",
     "enable-discovery": False,
-    "keep-last-ready": True,
+    "overload-guard": True,
     "log-level": "debug",
     "liveness-interval": "2s",
     "liveness-threshold": "1m",

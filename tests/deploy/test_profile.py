@@ -75,9 +75,9 @@ def test_the_profile_names_real_flags_once_each_with_a_reason() -> None:
     for s in profile.PRODUCTION:
         assert s.reason and "\n" not in s.reason and len(s.reason) < 120, s.flag
     # Every knob issue 28 item 3 names is in it, and the one the 100-node freeze added
-    # (keep-last-ready: the survivors' slow answers).
+    # (overload-guard: the survivors' slow answers).
     assert set(names) == {"health-check", "health-interval", "health-timeout", "health-recheck",
-                          "unready-drain-timeout", "keep-last-ready", "stall-timeout",
+                          "unready-drain-timeout", "overload-guard", "stall-timeout",
                           "upstream-selection", "rebalance-interval", "slow-start"}
 
 

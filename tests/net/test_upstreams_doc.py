@@ -28,7 +28,7 @@ UPSTREAM_KEYS = {
     "last_check_error", "last_error_source", "tier", "rtt_seconds", "active_connections",
     "total_connections", "dials_in_flight", "dial_stalled", "bytes_up", "bytes_down",
     "answer_hedges", "admin", "connection_share", "fair_share", "weight",
-    "rebalance_closes", "stalls", "stalled_connections", "stall_checks", "kept_last",
+    "rebalance_closes", "stalls", "stalled_connections", "stall_checks", "slow_not_counted",
 }
 
 

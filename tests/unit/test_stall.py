@@ -84,12 +84,12 @@ def test_off_never_stalls():
 
 class Rig:
     def __init__(self, *, stall: float = T, readyz: bool = True,
-                 selection: str = "random") -> None:
+                 selection: str = "random", overload_guard: bool = False) -> None:
         self.clock = Clock()
         self.changes: list[Change] = []
         self.reg = Registry(clock=self.clock, readyz=readyz, stall_timeout=stall,
                             selection=selection, unready_drain_timeout=30.0,
-                            on_change=self.changes.append)
+                            on_change=self.changes.append, overload_guard=overload_guard)
         self.reg.set_endpoints(EPS)
         for addr in (str(e) for e in EPS):
             self.reg.record_probe(addr, ready(True))

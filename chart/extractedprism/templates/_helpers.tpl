@@ -207,7 +207,7 @@ rebalance-interval: rebalanceInterval
 rebalance-quiet: rebalanceQuiet
 slow-start: slowStart
 stall-timeout: stallTimeout
-keep-last-ready: keepLastReady
+overload-guard: overloadGuard
 health-check: healthCheck
 health-check-ca-file: healthCheckCaFile
 health-check-cert-file: healthCheckCertFile
