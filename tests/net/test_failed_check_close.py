@@ -111,27 +111,34 @@ def test_the_last_upstream_answering_readyz_late_stays_in_service(
 @pytest.mark.parametrize("guard", [True, False], ids=["overload-guard", "off"])
 def test_upstreams_all_answering_readyz_late_stay_in_service(
         make_app, ups, ca, tmp_path, clients, guard):
-    """An overloaded control plane: every upstream answers /readyz past the timeout. The
-    guard keeps them in service and their connections open; off, both go unready."""
+    """An overloaded control plane: every upstream answers /readyz past the timeout. With
+    the guard a slow answer counts only against a faster peer, so at most the first one
+    slow twice before the other's check showed it slow too goes unready (the checks run
+    at their own phases), never both: one stays in service with its connection open.
+    Off, both go unready."""
     interval = 0.5
     app = start(make_app, ups, ca, tmp_path, health_interval=interval,
                 health_timeout=TIMEOUT, health_recheck=0.2, stall_timeout=0.0,
                 unready_drain_timeout=0.1, overload_guard=guard)
-    held = [clients(app, ca, "up0"), clients(app, ca, "up1")]
+    held = {up.address: clients(app, ca, name) for up, name in zip(ups, ("up0", "up1"))}
     for up in ups:
         up.readyz_delay = 2 * TIMEOUT
     window = 4 * interval + 3 * TIMEOUT + SLACK
     if guard:
-        wait_until(lambda: all(view(app, up)["slow_not_counted"] for up in ups), window,
-                   message="slow answers not counted on both")
+        wait_until(lambda: any(view(app, up)["slow_not_counted"] for up in ups), window,
+                   message="a slow answer not counted")
         deadline = time.monotonic() + window
-        while time.monotonic() < deadline:  # both stay ready round after round
+        while time.monotonic() < deadline:  # never both out, round after round
             snap = app.registry.snapshot()
-            assert all(snap.get(up.address).readiness == "ready" for up in ups)
+            assert any(snap.get(up.address).readiness == "ready" for up in ups)
+            assert not snap.panic
             time.sleep(0.05)
-        # Their connections were never closed: both still answer on them.
-        assert [c.get("/whoami") for c in held] == [b"up0", b"up1"]
-        assert not app.registry.snapshot().panic
+        snap = app.registry.snapshot()
+        kept = [up for up in ups if snap.get(up.address).readiness == "ready"]
+        assert kept and all(view(app, up)["slow_not_counted"] for up in kept)
+        # The connections on the ones kept were never closed: they still answer.
+        for up in kept:
+            assert held[up.address].get("/whoami") == up.name.encode()
     else:
         wait_until(lambda: all(app.registry.snapshot().get(up.address).readiness == "unready"
                                for up in ups), window, message="both unready (the spec)")
