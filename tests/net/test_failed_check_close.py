@@ -120,7 +120,7 @@ def test_upstreams_all_answering_readyz_late_stay_in_service(
     app = start(make_app, ups, ca, tmp_path, health_interval=interval,
                 health_timeout=TIMEOUT, health_recheck=0.2, stall_timeout=0.0,
                 unready_drain_timeout=0.1, overload_guard=guard)
-    held = {up.address: clients(app, ca, name) for up, name in zip(ups, ("up0", "up1"))}
+    held = {up.address: clients(app, ca, up.name) for up in ups}
     for up in ups:
         up.readyz_delay = 2 * TIMEOUT
     window = 4 * interval + 3 * TIMEOUT + SLACK
