@@ -162,8 +162,15 @@ def test_a_setting_that_does_nothing_is_one_warning(tmp_path, args, env, line) -
         wait_until(lambda: "upstream added" in p.stderr(), 10, message="started")
     finally:
         assert p.stop() == 0
-    warnings = [r for r in parse_logfmt(p.stderr()) if r["level"] == "warn"]
-    assert [r["msg"] for r in warnings] == [line]
+    assert [r["msg"] for r in setting_warnings(p.stderr())] == [line]
+
+
+def setting_warnings(stderr: str) -> list[dict[str, str]]:
+    """The warnings about settings. OK's endpoint refuses: on a slow machine its checks
+    may exclude it before the stop (`upstream healthy->unhealthy`, `panic: ...`), which
+    says nothing of the settings."""
+    return [r for r in parse_logfmt(stderr) if r["level"] == "warn"
+            and r.get("upstream") is None and not r["msg"].startswith("panic")]
 
 
 def test_defaults_spelled_out_are_not_warned_about(tmp_path) -> None:
@@ -174,4 +181,4 @@ def test_defaults_spelled_out_are_not_warned_about(tmp_path) -> None:
         wait_until(lambda: "upstream added" in p.stderr(), 10, message="started")
     finally:
         assert p.stop() == 0
-    assert [r for r in parse_logfmt(p.stderr()) if r["level"] == "warn"] == []
+    assert setting_warnings(p.stderr()) == []
