@@ -184,7 +184,7 @@ class StateCollector(Collector):
                     stalls.add_metric([u.address, result], done.get(result, 0))
             yield stalls
         if snap.overload_guard:
-            kept = CounterMetricFamily(
+            not_counted = CounterMetricFamily(
                 PREFIX + "slow_not_counted_total",
                 "Slow answers (readyz probe or a client's first answer past "
                 "--health-timeout) not counted against an upstream because no faster one "
@@ -192,8 +192,8 @@ class StateCollector(Collector):
                 labels=["upstream"],
             )
             for u in snap.upstreams:
-                kept.add_metric([u.address], u.slow_not_counted or 0)
-            yield kept
+                not_counted.add_metric([u.address], u.slow_not_counted or 0)
+            yield not_counted
         yield dials
         for name, doc, value in GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value(snap))
