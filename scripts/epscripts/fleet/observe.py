@@ -237,12 +237,16 @@ class PauseWatch:
         wall, mono = time.time(), time.monotonic()
         end = mono + self.max_s
         for _ in range(int(self.max_s / self.TICK) + 1):
-            if self._stop.wait(self.TICK) or time.monotonic() > end:
-                return
+            stopping = self._stop.wait(self.TICK)
+            # Measure before honouring stop(): a machine resuming from a pause wakes every
+            # thread at once, and the caller's stop() can win the race to this wakeup, which
+            # is the one that shows the pause.
             now_wall, now_mono = time.time(), time.monotonic()
             late = max(now_wall - wall, now_mono - mono) - self.TICK
             if late >= PAUSE_MIN_S:
                 self.pauses.append((wall, round(late, 2)))
+            if stopping or now_mono > end:
+                return
             wall, mono = now_wall, now_mono
 
 
