@@ -719,6 +719,36 @@ class Cell:
         return target
 
 
+def merge_runs(old: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
+    """``--merge``: this run's results document ``doc`` over an earlier one, ``old``. A
+    cell (balancer, fault) this run measured replaces the earlier one's; the rest are kept,
+    each marked with the run it came from. What describes a kind of cell (the quiet
+    window) stays the earlier run's when this run measured no cell of that kind."""
+    results = doc["results"]
+    mine = {(r["lb"], r["fault"]) for r in results}
+    kept = [{"run": old.get("started"), **r} for r in old.get("results", [])
+            if (r["lb"], r["fault"]) not in mine]
+    merged = dict(doc)
+    merged["results"] = kept + results
+    merged["runs"] = [*old.get("runs", [{"started": old.get("started"),
+                                         "argv": old.get("argv"),
+                                         "commit": old.get("commit")}]),
+                      {"started": doc["started"], "argv": doc["argv"],
+                       "commit": doc.get("commit")}]
+    merged["versions"] = {**old.get("versions", {}), **doc["versions"]}
+    merged["variants"] = {**old.get("variants", {}), **doc["variants"]}
+    merged["faults"] = [f for f in FAULTS if f in set(old.get("faults", [])) | set(doc["faults"])]
+    merged["lbs"] = [b for b in LBS if b in set(old.get("lbs", [])) | set(doc["lbs"])]
+    merged["skipped"] = {k: v for k, v in {**old.get("skipped", {}),
+                                            **doc.get("skipped", {})}.items()
+                         if k not in merged["lbs"]}
+    if not any(r["fault"] == "quiet" for r in results):
+        for key in ("quiet_window_s", "quiet_warmup_s"):
+            if key in old:
+                merged[key] = old[key]
+    return merged
+
+
 def pick_spread(nodes: list[str], k: int) -> list[str]:
     """At most ``k`` of ``nodes``, evenly spread over the list (all of them if k >= n)."""
     if k >= len(nodes):
@@ -1216,24 +1246,7 @@ def main(argv: list[str] | None = None) -> int:
            "results": results}
 
     def save() -> None:
-        merged = dict(doc)
-        if old:
-            mine = {(r["lb"], r["fault"]) for r in results}
-            kept = [{"run": old.get("started"), **r} for r in old.get("results", [])
-                    if (r["lb"], r["fault"]) not in mine]
-            merged["results"] = kept + results
-            merged["runs"] = [*old.get("runs", [{"started": old.get("started"),
-                                                 "argv": old.get("argv"),
-                                                 "commit": old.get("commit")}]),
-                              {"started": doc["started"], "argv": doc["argv"],
-                               "commit": commit}]
-            merged["versions"] = {**old.get("versions", {}), **doc["versions"]}
-            merged["variants"] = {**old.get("variants", {}), **doc["variants"]}
-            merged["faults"] = [f for f in FAULTS if f in set(old.get("faults", [])) | set(faults)]
-            merged["lbs"] = [b for b in LBS if b in set(old.get("lbs", [])) | set(lbs)]
-            merged["skipped"] = {k: v for k, v in {**old.get("skipped", {}), **skipped}.items()
-                                 if k not in merged["lbs"]}
-        merged = scrub(merged)
+        merged = scrub(merge_runs(old, doc) if old else dict(doc))
         results_path.write_text(json.dumps(merged, indent=1) + "\n")
         compare_doc.write(doc_path, merged)
 
