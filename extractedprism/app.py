@@ -96,6 +96,8 @@ class App:
             slow_start=config.slow_start,
             stall_timeout=config.stall_timeout,
             overload_guard=config.overload_guard,
+            health_interval=config.health_interval,
+            health_timeout=config.health_timeout,
         )
         self.metrics.attach_state(self.registry.snapshot)
         self.started_wall = time.time()
@@ -149,9 +151,9 @@ class App:
         # The data path in use, "native" or "python" (--relay resolved; logged at start,
         # /upstreams and extractedprism_build_info{relay=...} read it here).
         self.relay = self.proxy.relay.name
-        self.merger = Merger(self.registry.set_endpoints, self._count_discovery_update,
+        self.merger = Merger(self.registry.membership.set_endpoints, self._count_discovery_update,
                              static_mode=config.static_endpoints,
-                             apply_roles=self.registry.set_roles)
+                             apply_roles=self.registry.membership.set_roles)
         self.discovery: KubernetesProvider | None = None
         self.health: HealthServer | None = None  # made in start(), after the proxy binds
         self.admin: AdminServer | None = None  # with --admin-socket, made in start()

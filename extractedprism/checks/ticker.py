@@ -145,7 +145,7 @@ class Ticker:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.last_loop = now = self._clock()
-            next_deadline = self._registry.tick()
+            next_deadline = self._registry.membership.tick()
             next_probe = self._schedule(now)
             wake_at = min(x for x in (next_deadline, next_probe, now + self._max_wait)
                           if x is not None)
@@ -193,7 +193,7 @@ class Ticker:
         try:
             result = self._prober(ep, self._timeout, self._readyz)
             if not self._stop.is_set():
-                confirm = self._registry.record_probe(addr, result, stall=stall)
+                confirm = self._registry.verdicts.record_probe(addr, result, stall=stall)
         except Exception:
             log.exception("probe crashed upstream=%s", addr)
         finally:

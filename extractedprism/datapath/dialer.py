@@ -127,7 +127,7 @@ class Dialer:
             if carries is not None:
                 carries.dial_seconds = duration
             else:
-                self._registry.record_dial(addr, True, duration=duration)
+                self._registry.verdicts.record_dial(addr, True, duration=duration)
             return
         reason = describe_error(exc)
         if exc.errno in FD_ERRNOS:
@@ -136,14 +136,15 @@ class Dialer:
             return
         # The spec counts no errors "when no upstream was available": panic-mode
         # attempts are exactly that case, and shutdown failures are not counted.
-        self._registry.record_dial(addr, False, reason,
+        self._registry.verdicts.record_dial(addr, False, reason,
                                    count_error=not (self._stopping.is_set() or panic),
                                    duration=duration)
         _dial_failed(addr, upstream=addr, reason=reason)
 
     def failed(self, addr: str, reason: str) -> None:
         """A dial that connected but failed a later check (a silent upstream)."""
-        self._registry.record_dial(addr, False, reason, count_error=not self._stopping.is_set())
+        self._registry.verdicts.record_dial(addr, False, reason,
+                                            count_error=not self._stopping.is_set())
         _dial_failed(addr, upstream=addr, reason=reason)
 
     # -- the pipe thread ------------------------------------------------------------------
@@ -177,7 +178,7 @@ class Dialer:
         (loopback, a near host), one extension call. Else None: a connect in progress
         is left in ``dials`` (hedging on) or finished here (hedging off), a failure is
         recorded, and the general path goes on from there."""
-        res = self._registry.reserve(exclude=tried)
+        res = self._registry.picks.reserve(exclude=tried)
         if res is None:
             return None  # the general path finds nothing either: panic mode
         try:
@@ -229,7 +230,7 @@ class Dialer:
         Failures at once are recorded and the next upstream is tried; None when nothing
         pickable is left (no panic mode: the caller has an upstream already)."""
         while True:
-            res = self._registry.reserve(exclude=tried)
+            res = self._registry.picks.reserve(exclude=tried)
             if res is None:
                 return None
             tried.add(res.address)
@@ -276,7 +277,7 @@ class Dialer:
     def _connect_serial(self, tried: set[str]
                         ) -> tuple[socket.socket | None, Reservation | None]:
         while True:
-            res = self._registry.reserve(exclude=tried)
+            res = self._registry.picks.reserve(exclude=tried)
             if res is None:
                 return self._panic_dial(tried)
             tried.add(res.address)
@@ -315,9 +316,9 @@ class Dialer:
                     # A hedge: it avoids upstreams with stalled dials, or falls back to a
                     # static fallback (Registry.reserve_hedge).
                     self._stalls(dials, now)
-                    res = self._registry.reserve_hedge(exclude=tried)
+                    res = self._registry.picks.reserve_hedge(exclude=tried)
                 else:
-                    res = self._registry.reserve(exclude=tried)
+                    res = self._registry.picks.reserve(exclude=tried)
                 if res is None:
                     if not dials:
                         return self._panic_dial(tried)
@@ -373,7 +374,7 @@ class Dialer:
         hole's dials all stall, a live upstream's connect in a millisecond)."""
         for d in dials:
             if not d.res.stalled and now - (d.deadline - self._timeout) >= self._hedge:
-                self._registry.stall_dial(d.res)
+                self._registry.picks.stall_dial(d.res)
 
     def _begin(self, d: Dial, poller: select.poll) -> bool:
         """Start connecting ``d`` (resolving a hostname first); True if it connected at
@@ -440,11 +441,11 @@ class Dialer:
     def _panic_dial(self, tried: set[str]) -> tuple[socket.socket | None, Reservation | None]:
         """Nothing pickable: try every known upstream within one dial timeout overall."""
         deadline = time.monotonic() + self._timeout
-        for ep in self._registry.panic_order(exclude=tried):
+        for ep in self._registry.picks.panic_order(exclude=tried):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._stopping.is_set():
                 break
-            res = self._registry.reserve_endpoint(ep)
+            res = self._registry.picks.reserve_endpoint(ep)
             if res is None:
                 continue  # removed meanwhile
             tried.add(res.address)

@@ -495,7 +495,7 @@ class FirstAnswer:
                 and (leg.first is None or is_client_hello(leg.first)))
 
     def can_hedge(self, tried: set[str]) -> bool:
-        return self._registry.any_pickable(exclude=tried)
+        return self._registry.picks.any_pickable(exclude=tried)
 
     def settle(self, client: socket.socket, leg: Leg, tried: set[str]) -> Leg | None:
         """The first answer in Python for a leg judges() accepts (the Python relay, or
@@ -528,7 +528,7 @@ class FirstAnswer:
         finally:
             race.close(result)
         if result is not None and race.fired and race.answered:
-            self._registry.record_answer_hedge(result.address, "won")
+            self._registry.verdicts.record_answer_hedge(result.address, "won")
         return result
 
     def park(self, parked: _Parked) -> None:
@@ -542,12 +542,12 @@ class FirstAnswer:
         closed or reset without answering; otherwise no answer within --health-timeout)
         one failure toward its streak. ``outcome``: the hedge metric's, when it fired."""
         if outcome:  # first: an exclusion it causes then finds it counted
-            self._registry.record_answer_hedge(addr, outcome)
+            self._registry.verdicts.record_answer_hedge(addr, outcome)
         if answered:
-            self._registry.record_dial(addr, True)
+            self._registry.verdicts.record_dial(addr, True)
             return
         reason = ("closed the connection without answering the client's TLS ClientHello"
                   if closed else f"no answer within {self.health_timeout:g}s to the "
                   "client's TLS ClientHello")
-        self._registry.record_dial(addr, False, reason,
+        self._registry.verdicts.record_dial(addr, False, reason,
                                    count_error=not self.stopping.is_set(), slow=not closed)

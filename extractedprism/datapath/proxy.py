@@ -200,7 +200,7 @@ class Proxy:
             self._acceptor.join(max(0.0, deadline - time.monotonic()))
         if self._listener is not None:
             self._listener.close()
-        closed = self._registry.close_all()
+        closed = self._registry.conns.close_all()
         self._answer.close_all()  # clients waiting on a first answer, attached nowhere yet
         if closed:
             log.info("shutdown: force-closed connections count=%d", closed)
@@ -311,7 +311,7 @@ class Proxy:
             pipe = self._pipe(client_sock, client, carrier)
             pipe.count_sent(len(first or b""))
             # The first upstream's reservation ended at attach_judging: by address.
-            if not self._registry.attach(
+            if not self._registry.conns.attach(
                     carrier.res if carrier.res.held else carrier.address, pipe):
                 carrier.close()
                 client_sock.close()
@@ -343,12 +343,12 @@ class Proxy:
             # Attach refused: its upstream started draining (or the proxy is closing)
             # while we dialed. One retry elsewhere, if the first bytes may go elsewhere.
             leg.sock.close()
-            if retry and not reg.closing and replayable(leg) and reg.any_pickable(
+            if retry and not reg.closing and replayable(leg) and reg.picks.any_pickable(
                     exclude=tried):
                 retry, first = False, leg.first
                 continue
             if not reg.closing:  # its upstream drained away, and no other was left
-                reg.record_no_upstream()
+                reg.verdicts.record_no_upstream()
             client_sock.close()
             return None
 
@@ -393,7 +393,7 @@ class Proxy:
                 if self._judge_in_relay and pipe.can_judge():
                     # The common case with several upstreams: attached now, judged by the
                     # relay's own first call (Pipe.run_judged), counted once it carries.
-                    attached = reg.attach_judging(leg.res, pipe)
+                    attached = reg.conns.attach_judging(leg.res, pipe)
                     if attached is not None:
                         return leg, pipe if attached else None, True
                 carrier = self._answer.settle(client_sock, leg, tried)
@@ -404,7 +404,7 @@ class Proxy:
                     pipe = self._pipe(client_sock, client, carrier)
             if leg.first:
                 pipe.count_sent(len(leg.first))
-            return leg, pipe if reg.attach(leg.res, pipe) else None, False
+            return leg, pipe if reg.conns.attach(leg.res, pipe) else None, False
         except BaseException:
             leg.close()
             raise
@@ -432,7 +432,7 @@ class Proxy:
             leg.sock.close()  # the relay raised before closing it (the pool closes the client)
             raise
         finally:
-            self._registry.detach(leg.address, pipe, carried=found == ANSWERED)
+            self._registry.conns.detach(leg.address, pipe, carried=found == ANSWERED)
             if debug and found == ANSWERED:
                 connlog.closed(log, pipe, t0)
         if found == LEFT:
@@ -448,12 +448,12 @@ class Proxy:
             leg.sock.close()  # the relay raised before closing it (the pool closes the client)
             raise
         finally:
-            self._registry.detach(leg.address, pipe)
+            self._registry.conns.detach(leg.address, pipe)
             if debug:
                 connlog.closed(log, pipe, t0)
 
     def _turn_away(self, client_sock: socket.socket, client: str) -> None:
         _no_upstream(client=client)
         if not self._stopping.is_set():
-            self._registry.record_no_upstream()  # connection_errors_total{upstream="none"}
+            self._registry.verdicts.record_no_upstream()  # connection_errors_total{upstream="none"}
         client_sock.close()

@@ -25,9 +25,11 @@ part of all live connections, 0 to 1), ``fair_share`` (the connections it should
 weight, while rebalancing or slow start is on and it is pickable, else null), ``weight``
 (slow start's, 0.1 to 1; null when ``--slow-start`` is 0) and ``rebalance_closes``; the
 stall check's ``stalls`` (stalls seen on its connections, one per unanswered stretch of a
-connection), ``stalled_connections`` (its live connections stalled at the last sample)
-and ``stall_checks`` (``failed``/``passed``: the checks stalls asked for, as
-extractedprism_stall_checks_total), all three null when ``--stall-timeout`` is 0;
+connection), ``stalled_connections`` (its live connections stalled at the last sample),
+``suspect`` (the stall check's mark new connections avoid while an unmarked upstream is
+eligible: a stalled connection its checks have not settled, docs/architecture.md) and
+``stall_checks`` (``failed``/``passed``: the checks stalls asked for, as
+extractedprism_stall_checks_total), all four null when ``--stall-timeout`` is 0;
 ``slow_not_counted`` (slow answers not counted against it because no faster upstream
 served, as extractedprism_slow_not_counted_total; null when ``--overload-guard`` is off).
 
@@ -115,6 +117,7 @@ def upstream_entry(u: UpstreamView, wall: _Clock, live: int = 0) -> dict[str, An
         "rebalance_closes": u.rebalance_closes,
         "stalls": u.stalls,
         "stalled_connections": u.stalled_connections,
+        "suspect": u.suspect,
         "stall_checks": None if u.stalls is None else {
             r: dict(u.stall_checks).get(r, 0) for r in STALL_CHECK_RESULTS},
         "slow_not_counted": u.slow_not_counted,

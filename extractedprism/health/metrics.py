@@ -94,6 +94,15 @@ UPSTREAM_GAUGES: tuple[tuple[str, str, PerUpstream], ...] = (
     ("upstream_ready",
      "/readyz probe state after the consecutive-failure threshold (1 ready, 0 not ready)",
      lambda s, u: (1 if u.ready else 0) if s.readyz_mode and u.probed_ready else None),
+    ("upstream_suspect",
+     "1 while the stall check marks the upstream (a stalled connection its checks have not "
+     "settled): new connections avoid it while an unmarked one is eligible "
+     "(--stall-timeout only)",
+     lambda s, u: None if u.suspect is None else (1 if u.suspect else 0)),
+    ("upstream_dial_stalled",
+     "1 while a dial to the upstream has been in flight past --dial-hedge-delay with no "
+     "success there since: new connections avoid it while an unmarked one is eligible",
+     lambda s, u: 1 if u.dial_stalled else 0),
     ("upstream_weight",
      "Slow start's weight of the upstream, 0.1 to 1 while it ramps up after becoming "
      "pickable (--slow-start only)",

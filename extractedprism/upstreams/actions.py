@@ -39,7 +39,7 @@ class AdminActions:
     def drain(self, addr: str, uid: int) -> tuple[int, str]:
         """No new connections to ``addr``; existing ones stay."""
         # An operator's close is not weakened to a drain: it has to be undrained first.
-        out = self._registry.set_admin(addr, "drain", uid, unless_closed=True)
+        out = self._registry.membership.set_admin(addr, "drain", uid, unless_closed=True)
         if out is None:
             return _unknown(addr)
         if not out.done:
@@ -51,7 +51,7 @@ class AdminActions:
 
     def undrain(self, addr: str, uid: int) -> tuple[int, str]:
         """Back in service: it takes new connections whenever it is healthy."""
-        out = self._registry.set_admin(addr, "", uid)
+        out = self._registry.membership.set_admin(addr, "", uid)
         if out is None:
             return _unknown(addr)
         state = out.state
@@ -70,7 +70,7 @@ class AdminActions:
         """No new connections to ``addr``, and its connections closed spread over
         --drain-timeout; refused (code 1) when no other ready (readyz) / healthy (tcp)
         upstream would be left, unless ``force``."""
-        out = self._registry.set_admin(addr, "close", uid, unless_alone=not force)
+        out = self._registry.membership.set_admin(addr, "close", uid, unless_alone=not force)
         if out is None:
             return _unknown(addr)
         kind = "ready" if self._registry.readyz else "healthy"

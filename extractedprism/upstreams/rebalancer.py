@@ -53,7 +53,7 @@ class Rebalancer:
     def run_round(self, trigger: str = "interval") -> RebalanceView:
         """One round now; the next timed one comes a full (jittered) interval later."""
         with self._round_lock:
-            view = self._registry.rebalance(trigger)
+            view = self._registry.rounds.rebalance(trigger)
             self.next = self._clock() + self._jittered()
         return view
 

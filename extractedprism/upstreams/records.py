@@ -58,10 +58,9 @@ class Record:
     # not counted in the totals until they carry bytes or end answered.
     judging: set[int] = field(default_factory=set)
     dialing: int = 0  # picked, dial in progress: counts for least-conn
-    # A dial to it has been in flight past --dial-hedge-delay and nothing has succeeded
-    # there since (Registry.stall_dial sets it, a check's or a dial's success clears it):
-    # picks and hedges avoid it while another is left (Registry._choose_locked,
-    # reserve_hedge, selection.hedge_last_resort).
+    # A dial to it has been in flight past --dial-hedge-delay (Picks.stall_dial) and
+    # nothing has succeeded there since (a check, or a dial: the stalled one connecting
+    # included): picks avoid it while another is eligible (the rule's step 3).
     stalled: bool = False
     drain_deadline: float | None = None
     unready_deadline: float | None = None
@@ -93,8 +92,13 @@ class Record:
     stalls: int = 0
     stall_checks: dict[str, int] = field(default_factory=dict)
     # A check failed while a connection of it was stalled (the stalled ones were closed):
-    # picks avoid it like a suspect until its next check decides (Registry.record_probe).
+    # picks avoid it like a suspect until its next check decides (Verdicts.record_probe).
     failed_stalled: bool = False
+    # When its latest check passed (TCP, and readyz with readyz; the record's creation
+    # before the first): stalls that began before it no longer mark it (a check passed
+    # after they began: the stall is the client's quiet stream, not this server's), and
+    # the overload guard holds back slow answers only within a bound after it.
+    passed_at: float = 0.0
     # --overload-guard: slow answers not counted because no faster upstream served.
     slow_not_counted: int = 0
     stall_check_at: float | None = None
@@ -135,7 +139,7 @@ class Record:
     def view(self, addr: str, *, readyz: bool, tier: int | None, rtt: float | None,
              weight: float | None = None, fair_share: float | None = None,
              stalls: int | None = None, stalled_connections: int | None = None,
-             overload_guard: bool = False) -> UpstreamView:
+             suspect: bool | None = None, overload_guard: bool = False) -> UpstreamView:
         live = self.conns.values()
         return UpstreamView.of(
             addr, self.state, readyz=readyz, tier=tier, rtt=rtt, active=len(self.conns),
@@ -150,7 +154,7 @@ class Record:
             stalls=stalls, stalled_connections=stalled_connections,
             stall_checks=tuple(sorted(self.stall_checks.items())),
             answer_hedges=tuple(sorted(self.answer_hedges.items())),
-            dials_in_flight=self.dialing, dial_stalled=self.stalled,
+            dials_in_flight=self.dialing, dial_stalled=self.stalled, suspect=suspect,
             slow_not_counted=self.slow_not_counted if overload_guard else None)
 
 

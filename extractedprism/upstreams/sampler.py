@@ -73,7 +73,7 @@ class Sampler:
                     rb.skip_round()
             else:
                 try:
-                    self._registry.sample_activity()
+                    self._registry.stalls.sample_activity()
                 except Exception:  # nor a sample
                     log.exception("connection sample failed")
             wait = self.period

@@ -115,6 +115,10 @@ class UpstreamView:
     # A dial to it stalled past --dial-hedge-delay and nothing succeeded there since:
     # hedges avoid it (Registry.reserve_hedge).
     dial_stalled: bool = False
+    # The stall check's mark (None: --stall-timeout 0): a connection of it is stalled and
+    # not yet settled by its checks, or a check failed while one was (upstreams.stalls).
+    # Like dial_stalled, a mark new connections avoid while an unmarked one is eligible.
+    suspect: bool | None = None
 
     @property
     def admin_drained(self) -> bool:

@@ -61,7 +61,7 @@ class Clients:
 
 def _dialing(app) -> int:  # type: ignore[no-untyped-def]
     with app.registry.lock:
-        return sum(r.dialing for r in app.registry._ups.values())
+        return sum(r.dialing for r in app.registry.ups.values())
 
 
 def _check(app, carried: Counter[str], known: list[Fake]) -> None:  # type: ignore[no-untyped-def]
@@ -155,8 +155,8 @@ def test_counters_agree_with_the_upstreams_on_every_path(make_app, marked, relay
                message="first probe round")
     for f in (p1, p2):
         for _ in range(2):
-            app.registry.record_probe(f.address, ProbeResult(False, None, "test: down"))
-    assert not app.registry.any_pickable()
+            app.registry.verdicts.record_probe(f.address, ProbeResult(False, None, "test: down"))
+    assert not app.registry.picks.any_pickable()
     clients = Clients(app, [p1, p2])
     for _ in range(4):
         clients.one()
@@ -171,16 +171,16 @@ def test_counters_agree_with_the_upstreams_on_every_path(make_app, marked, relay
     reg = app.registry
     raced: list[str] = []
     for name in ("attach", "attach_judging"):
-        real = getattr(reg, name)
+        real = getattr(reg.conns, name)
 
         def racing(res, conn, _real=real):  # type: ignore[no-untyped-def]
             if not raced and hasattr(res, "address"):
                 raced.append(res.address)
                 keep = d2.endpoint if res.address == d1.address else d1.endpoint
-                reg.set_endpoints([keep])
+                reg.membership.set_endpoints([keep])
             return _real(res, conn)
 
-        monkeypatch.setattr(reg, name, racing)
+        monkeypatch.setattr(reg.conns, name, racing)
     clients = Clients(app, [d1, d2])
     with contextlib.suppress(AssertionError):  # a request sent before the refusal: closed
         clients.one()

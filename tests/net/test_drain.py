@@ -62,7 +62,7 @@ def test_removed_endpoint_drains_until_timeout(make_app, servers):
     app, ups, conn = held_on_up0(make_app, servers, drain_timeout=1.0)
     gone = ups[0].address
     t0 = time.monotonic()
-    app.registry.set_endpoints([ups[1].endpoint])
+    app.registry.membership.set_endpoints([ups[1].endpoint])
     snap = app.registry.snapshot()
     assert snap.get(gone).draining and not snap.get(gone).pickable
     # No new connections go to the draining upstream ...
@@ -78,9 +78,9 @@ def test_removed_endpoint_drains_until_timeout(make_app, servers):
 
 def test_readding_aborts_the_drain(make_app, servers):
     app, ups, conn = held_on_up0(make_app, servers, drain_timeout=0.6)
-    app.registry.set_endpoints([ups[1].endpoint])
+    app.registry.membership.set_endpoints([ups[1].endpoint])
     assert app.registry.snapshot().get(ups[0].address).draining
-    app.registry.set_endpoints([u.endpoint for u in ups])
+    app.registry.membership.set_endpoints([u.endpoint for u in ups])
     assert not app.registry.snapshot().get(ups[0].address).draining
     deadline = time.monotonic() + 1.5  # well past the drain timeout
     while time.monotonic() < deadline:
@@ -92,7 +92,7 @@ def test_readding_aborts_the_drain(make_app, servers):
 def test_zero_drain_timeout_closes_at_once(make_app, servers):
     app, ups, conn = held_on_up0(make_app, servers, drain_timeout=0.0)
     t0 = time.monotonic()
-    app.registry.set_endpoints([ups[1].endpoint])
+    app.registry.membership.set_endpoints([ups[1].endpoint])
     assert closed(conn)
     assert time.monotonic() - t0 < 0.5
     assert app.registry.snapshot().get(ups[0].address) is None
@@ -101,7 +101,7 @@ def test_zero_drain_timeout_closes_at_once(make_app, servers):
 
 def test_drain_completes_early_when_connections_finish(make_app, servers):
     app, ups, conn = held_on_up0(make_app, servers, drain_timeout=30.0)
-    app.registry.set_endpoints([ups[1].endpoint])
+    app.registry.membership.set_endpoints([ups[1].endpoint])
     conn.close()
     wait_until(lambda: app.registry.snapshot().get(ups[0].address) is None, 5)
 
@@ -116,12 +116,12 @@ def test_metric_series_deleted_after_drain(make_app, servers):
         connect(app).close()
     wait_until(lambda: sample(app.metrics, "extractedprism_connection_errors_total",
                                           {"upstream": gone}), 5)
-    app.registry.set_endpoints([ups[1].endpoint])
+    app.registry.membership.set_endpoints([ups[1].endpoint])
     wait_until(lambda: app.registry.snapshot().get(gone) is None, 5)
     text = http(app.health_address, "/metrics")[2].decode()
     assert gone not in text
     # Failures reported after removal are not counted until the address is added again.
-    app.registry.record_dial(gone, False, "late")
+    app.registry.verdicts.record_dial(gone, False, "late")
     assert gone not in http(app.health_address, "/metrics")[2].decode()
 
 
@@ -160,7 +160,7 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
         sock = real_dial(ep, timeout, *rest)
         if str(ep) == ups[0].address and not fired.is_set():
             fired.set()
-            app.registry.set_endpoints([ups[1].endpoint])  # drain starts mid-dial
+            app.registry.membership.set_endpoints([ups[1].endpoint])  # drain starts mid-dial
         return sock
 
     def attached_to_up0() -> int:
@@ -174,7 +174,7 @@ def test_drain_race_retries_on_another_upstream(make_app, servers):
         got = real_native(target, *rest)
         if f"{target[1]}:{target[2]}" == ups[0].address and not fired.is_set():
             fired.set()
-            app.registry.set_endpoints([ups[1].endpoint])  # drain starts mid-dial
+            app.registry.membership.set_endpoints([ups[1].endpoint])  # drain starts mid-dial
         return got
 
     dialer_mod.dial = racing_dial

@@ -68,7 +68,7 @@ class Rig:
         self.ticker = Ticker(self.registry, interval=interval, timeout=0.1, readyz=None,
                              stop=self.stop, recheck=recheck, max_wait=0.2, prober=prober,
                              rng=NoSpread(), jitter=0.0)
-        self.registry.set_endpoints([EP])
+        self.registry.membership.set_endpoints([EP])
         self.ticker.start()
 
     def _changed(self, change: Change) -> None:
@@ -121,7 +121,7 @@ def test_a_failed_dial_brings_the_confirming_check_forward(rigs, recheck):
     rig = rigs(prober, interval=interval, recheck=recheck)
     wait_until(lambda: prober.count() >= 1, SLACK)
     t_dial = time.monotonic()
-    rig.registry.record_dial(str(EP), False, "connection refused")
+    rig.registry.verdicts.record_dial(str(EP), False, "connection refused")
     wait_until(lambda: prober.count() >= 2, interval + SLACK)
     took = prober.started[1] - t_dial
     if recheck is None:  # the spec's schedule: the next probe an interval after the last

@@ -63,14 +63,14 @@ def _steps(relay: str) -> list[str]:
     """Each step between accept and relay, where an exception is injected."""
     if relay == "native":
         return ["dialer.native_target", "dialer.native_connect", "Pipe.__init__",
-                "Pipe.can_judge", "Registry.attach_judging", "Pipe.run_judged"]
+                "Pipe.can_judge", "conns.attach_judging", "Pipe.run_judged"]
     return ["dialer.begin_connect", "Pipe.__init__", "first_answer.wait_answer",
-            "Registry.attach", "Pipe.run"]
+            "conns.attach", "Pipe.run"]
 
 
 def _target(app, step: str) -> tuple[object, str]:  # type: ignore[no-untyped-def]
     owner, name = step.split(".")
-    return {"Registry": app.registry, "Pipe": Pipe, "dialer": dialer_mod,
+    return {"conns": app.registry.conns, "Pipe": Pipe, "dialer": dialer_mod,
             "first_answer": first_answer, "Proxy": app.proxy}[owner], name
 
 

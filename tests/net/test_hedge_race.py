@@ -39,7 +39,7 @@ def _errors(app, addr: str) -> float:  # type: ignore[no-untyped-def]
 def _dialing(app) -> int:  # type: ignore[no-untyped-def]
     """Reservations still held over every upstream (least-conn reads this count)."""
     with app.registry.lock:
-        return sum(r.dialing for r in app.registry._ups.values())
+        return sum(r.dialing for r in app.registry.ups.values())
 
 
 def _echoed(c: socket.socket, msg: bytes, timeout: float = 10.0) -> bytes:
@@ -250,14 +250,14 @@ def test_a_leg_that_took_part_of_the_client_hello_never_carries_the_client(monke
     small = [*sockopts.CONNECTION_SOCKOPTS, (socket.SOL_SOCKET, socket.SO_SNDBUF, 1024)]
     monkeypatch.setattr(sockopts.apply_sockopts, "__defaults__", (small,))
     reg = Registry()
-    reg.set_endpoints([a.endpoint, b.endpoint])
+    reg.membership.set_endpoints([a.endpoint, b.endpoint])
     stopping = threading.Event()
     dialer = Dialer(reg, dial_timeout=2.0, hedge_delay=0.0, stopping=stopping)
     fa = FirstAnswer(reg, dialer, hedge_delay=HEDGE, health_timeout=2.0, native_first=None,
                      stopping=stopping)
     client, client_peer = socket.socketpair()
     first = hello(b"x" * 16000)
-    res = reg.reserve(exclude={b.address})
+    res = reg.picks.reserve(exclude={b.address})
     assert res is not None and res.address == a.address
     leg = Leg(socket.create_connection((a.endpoint.host, a.endpoint.port)), res, first,
               len(first))

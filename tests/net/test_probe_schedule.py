@@ -69,7 +69,7 @@ def run_ticker(prober: Recorder, rng: random.Random, *, interval: float, jitter:
     registry = Registry(on_change=changed)
     ticker = Ticker(registry, interval=interval, timeout=0.1, readyz=None, stop=stop,
                     max_wait=0.2, prober=prober, rng=rng, jitter=jitter)
-    registry.set_endpoints([EP])
+    registry.membership.set_endpoints([EP])
     ticker.start()
     try:
         wait_until(lambda: prober.count() >= rounds, rounds * interval + 5)
@@ -153,7 +153,7 @@ def test_app_probes_over_kept_connections_and_closes_them(make_app, ca, tmp_path
         assert metric(app, name, a.address) == 1.0
         assert metric(app, name, b.address) == 1.0
         # a removed upstream's kept connection is closed (its TCP checks stop too)
-        app.registry.set_endpoints([b.endpoint])
+        app.registry.membership.set_endpoints([b.endpoint])
         wait_until(lambda: a.active_connections() == 0, interval + timeout + 5)
         wait_until(lambda: metric(app, name, a.address) is None, 5)
         assert b.active_connections() == 1

@@ -237,7 +237,7 @@ def test_socket_options_on_both_sides(make_app, servers):
         snap = wait_until(lambda: live_connections(app.registry), 5)
         assert snap
         # Read back the options the pipe thread applied to the proxy's sockets.
-        pipes = [c for u in app.registry._ups.values() for c in u.conns.values()]
+        pipes = [c for u in app.registry.ups.values() for c in u.conns.values()]
         for sock in (pipes[0].client_sock, pipes[0].upstream_sock):
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
@@ -404,7 +404,7 @@ def test_accept_out_of_descriptors_warns_once_per_episode(servers, caplog):
     (up,) = servers(1)
     reg = Registry(selection="random", readyz=False, drain_timeout=1.0,
                    max_connections=16)
-    reg.set_endpoints([up.endpoint])
+    reg.membership.set_endpoints([up.endpoint])
     px = Proxy(reg, bind_address="127.0.0.1", bind_port=0, dial_timeout=1.0,
                max_connections=16, relay=resolve("auto"))
     px.bind()

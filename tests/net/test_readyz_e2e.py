@@ -143,7 +143,7 @@ def test_new_upstream_is_not_ready_until_its_probe_passes(app, ups, ca):
     newcomer = FakeUpstream(ca=ca, name="up3").start()
     try:
         newcomer.set_ready_status(503)
-        app.registry.set_endpoints([u.endpoint for u in ups] + [newcomer.endpoint])
+        app.registry.membership.set_endpoints([u.endpoint for u in ups] + [newcomer.endpoint])
         # Pending until its first probe, which the ticker runs at once (and may already
         # have run): never ready in between.
         assert readiness(app, newcomer.address) in ("pending", "unready")
@@ -151,7 +151,7 @@ def test_new_upstream_is_not_ready_until_its_probe_passes(app, ups, ca):
         assert "up3" not in answers
         wait_until(lambda: readiness(app, newcomer.address) == "unready", 5)
     finally:
-        app.registry.set_endpoints([u.endpoint for u in ups])
+        app.registry.membership.set_endpoints([u.endpoint for u in ups])
         newcomer.stop()
 
 

@@ -110,7 +110,7 @@ def skewed(make_app, servers, **flags):  # type: ignore[no-untyped-def]
     ups = servers(3, kind=EndingServer)
     flags.setdefault("upstream_selection", "least-conn")
     app = make_app([u.endpoint for u in ups], **flags)
-    app.registry.set_admin(ups[2].address, "drain", 0)
+    app.registry.membership.set_admin(ups[2].address, "drain", 0)
     return app, ups
 
 
@@ -121,7 +121,7 @@ def test_rounds_close_one_quiet_connection_per_interval_until_balanced(make_app,
     clients = fleet(app)
     clients.open(9)
     assert clients.counts().get("up2", 0) == 0
-    app.registry.set_admin(ups[2].address, "", 0)
+    app.registry.membership.set_admin(ups[2].address, "", 0)
     # 5/4/0 -> 3/3/3 takes three closes; each is one round, one interval apart, and a
     # round may find the oldest connections not yet one interval old: six rounds' room.
     deadline = time.monotonic() + 6 * INTERVAL * 1.1 + 2
@@ -152,7 +152,7 @@ def test_the_close_is_a_fin_both_ways(make_app, servers, relay):
     socks = [connect(app) for _ in range(4)]
     try:
         names = [read_line(s) for s in socks]
-        app.registry.set_admin(ups[2].address, "", 0)
+        app.registry.membership.set_admin(ups[2].address, "", 0)
         readable, _, _ = select.select(socks, [], [], 4 * INTERVAL * 1.1 + 2)
         assert len(readable) == 1
         (s,) = readable
@@ -183,7 +183,7 @@ def test_a_busy_connection_is_never_closed(make_app, servers):
     try:
         for s in socks:
             read_line(s)
-        app.registry.set_admin(ups[2].address, "", 0)
+        app.registry.membership.set_admin(ups[2].address, "", 0)
         # Every connection moves a byte well within the quiet time, for four rounds.
         end = time.monotonic() + 4 * INTERVAL * 1.1
         while time.monotonic() < end:
@@ -211,7 +211,7 @@ def test_never_while_an_upstream_drains(make_app, servers, fleet):
     clients.open(9)  # 3/3/3
     # up2 leaves the list (it drains its 3 connections for up to 60 s) as up3 joins: the
     # pickable ones hold 3/3/0, a skew no round may touch while up2 drains.
-    app.registry.set_endpoints([u.endpoint for u in (ups[0], ups[1], ups[3])])
+    app.registry.membership.set_endpoints([u.endpoint for u in (ups[0], ups[1], ups[3])])
     clients.pump(4 * INTERVAL * 1.1)
     snap = app.registry.snapshot()
     assert clients.closes == [] and snap.rebalance.closes == 0
@@ -232,7 +232,7 @@ def test_off_by_default_changes_nothing(make_app, servers, fleet):
     app, ups = skewed(make_app, servers)
     clients = fleet(app)
     clients.open(9)
-    app.registry.set_admin(ups[2].address, "", 0)
+    app.registry.membership.set_admin(ups[2].address, "", 0)
     assert not [t for t in threading.enumerate() if t.name == "conn-sampler"]
     # Several health intervals (the only clock left running): nothing moves.
     clients.pump(4 * app.config.health_interval)
@@ -249,8 +249,8 @@ def test_slow_start_gives_a_recovered_upstream_its_ramped_share_of_a_burst(make_
     window = 20.0
     ups = servers(3)
     app = make_app([u.endpoint for u in ups], upstream_selection="random", slow_start=window)
-    app.registry.set_admin(ups[2].address, "drain", 0)
-    app.registry.set_admin(ups[2].address, "", 0)  # undrained: ramps from 0.1
+    app.registry.membership.set_admin(ups[2].address, "drain", 0)
+    app.registry.membership.set_admin(ups[2].address, "", 0)  # undrained: ramps from 0.1
     t0 = time.monotonic()
     got = {"up0": 0, "up1": 0, "up2": 0}
     for _ in range(300):
@@ -284,7 +284,7 @@ def test_admin_rebalance_runs_one_round_now_and_it_shows(make_app, servers, sock
     try:
         for s in socks:
             read_line(s)
-        app.registry.set_admin(ups[2].address, "", 0)
+        app.registry.membership.set_admin(ups[2].address, "", 0)
         caplog.set_level(logging.INFO)
         # Every connection is younger than one interval (300 s): the same rules say no.
         assert admin.main(["--socket", sock_path, "rebalance"]) == 0
@@ -293,7 +293,7 @@ def test_admin_rebalance_runs_one_round_now_and_it_shows(make_app, servers, sock
         assert doc["rebalance"]["last_result"] == balance.NOTHING_QUIET
         assert doc["rebalance"]["last_acted_at"] is None
         # Old enough once the interval is short: one close, one log line, and it shows.
-        app.registry._rebalance_interval = 0.0  # the test's stand-in for "an hour later"
+        app.registry.rebalance_interval = 0.0  # the test's stand-in for "an hour later"
         assert admin.main(["--socket", sock_path, "rebalance"]) == 0
         assert capsys.readouterr().out.startswith("rebalanced: closed a connection of ")
         readable, _, _ = select.select(socks, [], [], 5)
@@ -330,8 +330,8 @@ def test_admin_rebalance_is_refused_while_rebalancing_is_off(make_app, servers, 
 def test_slow_start_weight_is_a_metric_and_in_the_document(make_app, servers):
     ups = servers(2)
     app = make_app([u.endpoint for u in ups], slow_start=30.0)
-    app.registry.set_admin(ups[1].address, "drain", 0)
-    app.registry.set_admin(ups[1].address, "", 0)
+    app.registry.membership.set_admin(ups[1].address, "drain", 0)
+    app.registry.membership.set_admin(ups[1].address, "", 0)
     weight = sample(app.metrics, "extractedprism_upstream_weight",
                     {"upstream": ups[1].address})
     assert weight is not None and balance.MIN_WEIGHT <= weight < 0.5

@@ -125,7 +125,7 @@ def test_scale_out_a_new_upstream_fills_up_over_the_slow_start_window(make_app, 
                 clients.open(i)
         t0 = time.monotonic()
         for app in apps:  # discovery lists a third API server
-            app.registry.set_endpoints([u.endpoint for u in ups])
+            app.registry.membership.set_endpoints([u.endpoint for u in ups])
         # Early in the ramp the new one holds at most its ramped share (the weight at
         # the end of the wait, the highest it had).
         clients.pump(window / 3)

@@ -215,8 +215,9 @@ def test_cleartext_first_write_reaches_exactly_one_upstream(make_app, fakes, rel
                    message="first probe round")
         for f in (a, b):
             for _ in range(2):
-                app.registry.record_probe(f.address, ProbeResult(False, None, "test: down"))
-        assert not app.registry.any_pickable()
+                app.registry.verdicts.record_probe(
+                    f.address, ProbeResult(False, None, "test: down"))
+        assert not app.registry.picks.any_pickable()
     clients = []
     try:
         for i in range(6):
@@ -246,16 +247,16 @@ def test_drain_race_replays_only_a_client_hello(make_app, fakes, relay, first, m
     reg = app.registry
     raced: list[str] = []
     for name in ("attach", "attach_judging"):
-        real = getattr(reg, name)
+        real = getattr(reg.conns, name)
 
         def racing(res, conn, _real=real):  # type: ignore[no-untyped-def]
             if not raced and hasattr(res, "address"):
                 raced.append(res.address)
                 keep = b.endpoint if res.address == a.address else a.endpoint
-                reg.set_endpoints([keep])  # the one being attached goes away
+                reg.membership.set_endpoints([keep])  # the one being attached goes away
             return _real(res, conn)
 
-        monkeypatch.setattr(reg, name, racing)
+        monkeypatch.setattr(reg.conns, name, racing)
     if first == "clienthello":
         msg = hello(b"replayed")
         assert _round_trip(app, msg) < 5
@@ -333,7 +334,7 @@ def _dialing(app) -> int:  # type: ignore[no-untyped-def]
     """Reservations held (dials in flight) over every upstream: 0 when none is left.
     (The registry's own records: least-conn reads exactly this count.)"""
     with app.registry.lock:
-        return sum(r.dialing for r in app.registry._ups.values())
+        return sum(r.dialing for r in app.registry.ups.values())
 
 
 @pytest.mark.timeout(60)

@@ -28,7 +28,8 @@ UPSTREAM_KEYS = {
     "last_check_error", "last_error_source", "tier", "rtt_seconds", "active_connections",
     "total_connections", "dials_in_flight", "dial_stalled", "bytes_up", "bytes_down",
     "answer_hedges", "admin", "connection_share", "fair_share", "weight",
-    "rebalance_closes", "stalls", "stalled_connections", "stall_checks", "slow_not_counted",
+    "rebalance_closes", "stalls", "stalled_connections", "suspect", "stall_checks",
+    "slow_not_counted",
 }
 
 
@@ -159,7 +160,7 @@ def test_a_removed_endpoint_shows_its_drain_deadline(make_app, servers) -> None:
     (conn,) = open_to(app, "up0")
     with conn:
         t0 = time.time()
-        app.registry.set_endpoints([ups[1].endpoint])
+        app.registry.membership.set_endpoints([ups[1].endpoint])
         u = entry(app, str(ups[0].endpoint))
         assert u["state"] == "draining" and u["draining"] is True
         assert u["draining_reason"] == "removed"

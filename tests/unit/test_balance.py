@@ -122,15 +122,15 @@ def make(interval: float = 10.0, quiet: float = 5.0, slow: float = 0.0, **kw: ob
     clock = Clock()
     reg = Registry(clock=clock, rng=random.Random(1), rebalance_interval=interval,
                    rebalance_quiet=quiet, slow_start=slow, **kw)  # type: ignore[arg-type]
-    reg.set_endpoints(EPS)
+    reg.membership.set_endpoints(EPS)
     return reg, clock
 
 
 def attach(reg: Registry, addr: str, n: int) -> list[Conn]:
     conns = [Conn(f"{addr}#{i}") for i in range(n)]
     for c in conns:
-        assert reg.attach(addr, c)
-    reg.sample_activity()  # the rebalancer thread's sampling sees them from now
+        assert reg.conns.attach(addr, c)
+    reg.stalls.sample_activity()  # the rebalancer thread's sampling sees them from now
     return conns
 
 
@@ -142,12 +142,12 @@ def test_a_round_closes_one_quiet_connection_of_the_most_loaded():
     reg, clock = make()
     a, b = attach(reg, A, 6), attach(reg, B, 6)
     clock.now += 20
-    view = reg.rebalance()
+    view = reg.rounds.rebalance()
     assert view.last_reason == balance.ACTED and view.closes == 1
     gone = finished(a) + finished(b)
     assert len(gone) == 1 and not any(c.closed for c in a + b)  # a FIN, never a reset
     # a second round right away: the chosen one is not chosen again
-    reg.rebalance()
+    reg.rounds.rebalance()
     assert len(finished(a) + finished(b)) == 2
 
 
@@ -155,18 +155,18 @@ def test_busy_and_young_connections_are_never_chosen():
     reg, clock = make()
     a = attach(reg, A, 6)
     clock.now += 9  # younger than one interval
-    assert reg.rebalance().last_reason == balance.NOTHING_QUIET
+    assert reg.rounds.rebalance().last_reason == balance.NOTHING_QUIET
     clock.now += 20
     for c in a:  # every one moved a byte since the last sample
         c.bytes_down += 1
-    assert reg.rebalance().last_reason == balance.NOTHING_QUIET
+    assert reg.rounds.rebalance().last_reason == balance.NOTHING_QUIET
     clock.now += 4.9  # quiet 4.9 s < 5 s
-    assert reg.rebalance().last_reason == balance.NOTHING_QUIET
+    assert reg.rounds.rebalance().last_reason == balance.NOTHING_QUIET
     a[3].bytes_up += 1  # a[3] busy again
     clock.now += 0.2
-    reg.sample_activity()
+    reg.stalls.sample_activity()
     clock.now += 4.9
-    view = reg.rebalance()
+    view = reg.rounds.rebalance()
     assert view.last_reason == balance.ACTED
     assert [c for c in a if c.finished] != [a[3]] and not a[3].finished
 
@@ -176,23 +176,24 @@ def test_no_round_acts_while_connections_move_otherwise(why):
     reg, clock = make(readyz=why == "unready")
     if why == "unready":
         for addr in (A, B, C):
-            reg.record_probe(addr, ProbeResult(True, 0.001, "", ready=True))
+            reg.verdicts.record_probe(addr, ProbeResult(True, 0.001, "", ready=True))
     conns = attach(reg, A, 6) + attach(reg, C, 2)
     want = {"removed": balance.DRAINING, "unready": balance.CLOSING_UNREADY,
             "admin close": balance.ADMIN_CLOSE, "panic": balance.PANIC}[why]
     if why == "removed":
-        reg.set_endpoints(EPS[:2])
+        reg.membership.set_endpoints(EPS[:2])
     elif why == "unready":
         for _ in range(2):
-            reg.record_probe(C, ProbeResult(True, 0.001, "", ready=False, ready_reason="500"))
+            reg.verdicts.record_probe(
+                C, ProbeResult(True, 0.001, "", ready=False, ready_reason="500"))
     elif why == "admin close":
-        reg.set_admin(C, "close", 0)
+        reg.membership.set_admin(C, "close", 0)
     else:
         for addr in (A, B, C):
             for _ in range(2):
-                reg.record_probe(addr, DOWN)
+                reg.verdicts.record_probe(addr, DOWN)
     clock.now += 1  # before any of those deadlines
-    assert reg.rebalance().last_reason == want
+    assert reg.rounds.rebalance().last_reason == want
     assert not finished(conns)
     assert reg.snapshot().rebalance.closes == 0
 
@@ -202,16 +203,16 @@ def test_fewer_than_two_pickable_never_acts():
     attach(reg, A, 8)
     for addr in (B, C):
         for _ in range(2):
-            reg.record_probe(addr, DOWN)
+            reg.verdicts.record_probe(addr, DOWN)
     clock.now += 30
-    assert reg.rebalance().last_reason == balance.TOO_FEW
+    assert reg.rounds.rebalance().last_reason == balance.TOO_FEW
 
 
 def test_off_by_default_tracks_nothing_and_never_acts():
     reg = Registry(rng=random.Random(1))
-    reg.set_endpoints(EPS)
+    reg.membership.set_endpoints(EPS)
     conns = attach(reg, A, 8)
-    assert reg.rebalance().last_reason == "off"
+    assert reg.rounds.rebalance().last_reason == "off"
     assert not finished(conns)
     snap = reg.snapshot()
     assert snap.rebalance is None
@@ -221,26 +222,26 @@ def test_off_by_default_tracks_nothing_and_never_acts():
 def test_slow_start_ramps_a_recovered_upstream_and_sets_its_share():
     reg, clock = make(interval=0.0, slow=100.0, selection="random")
     for _ in range(2):
-        reg.record_probe(C, DOWN)
+        reg.verdicts.record_probe(C, DOWN)
     clock.now += 50
-    reg.record_probe(C, OK)  # healthy again: ramps from 0.1
+    reg.verdicts.record_probe(C, OK)  # healthy again: ramps from 0.1
     assert reg.snapshot().get(C).weight == pytest.approx(0.1)
-    picks = Counter(str(reg.reserve().endpoint) for _ in range(6000))
+    picks = Counter(str(reg.picks.reserve().endpoint) for _ in range(6000))
     assert picks[C] / 6000 == pytest.approx(0.1 / 2.1, abs=0.015)
     clock.now += 50
     assert reg.snapshot().get(C).weight == pytest.approx(0.55)
     clock.now += 50
     assert reg.snapshot().get(C).weight == 1.0
-    assert not reg._ramping  # the ramp is over: picks are unweighted again
+    assert not reg.ramping  # the ramp is over: picks are unweighted again
 
 
 def test_slow_start_leaves_the_first_list_and_the_weights_off_alone():
     reg, _clock = make(interval=0.0, slow=100.0)
     assert [u.weight for u in reg.snapshot().upstreams] == [1.0, 1.0, 1.0]
-    reg.set_endpoints([*EPS, Endpoint("10.0.0.4", 6443)])  # added later: ramps
+    reg.membership.set_endpoints([*EPS, Endpoint("10.0.0.4", 6443)])  # added later: ramps
     assert reg.snapshot().get("10.0.0.4:6443").weight == pytest.approx(0.1)
-    reg.set_admin(A, "drain", 0)
-    reg.set_admin(A, "", 0)  # undrained: ramps
+    reg.membership.set_admin(A, "drain", 0)
+    reg.membership.set_admin(A, "", 0)  # undrained: ramps
     assert reg.snapshot().get(A).weight == pytest.approx(0.1)
 
 
@@ -250,11 +251,11 @@ def test_slow_start_ramps_a_first_list_server_that_was_not_ready_at_start():
     reg, clock = make(interval=0.0, slow=100.0, readyz=True)
     ready = ProbeResult(True, 0.001, "", ready=True)
     for addr in (A, B):
-        reg.record_probe(addr, ready)
-    reg.record_probe(C, ProbeResult(True, 0.001, "", ready=False, ready_reason="HTTP 500"))
+        reg.verdicts.record_probe(addr, ready)
+    reg.verdicts.record_probe(C, ProbeResult(True, 0.001, "", ready=False, ready_reason="HTTP 500"))
     assert [u.weight for u in reg.snapshot().upstreams] == [1.0, 1.0, 1.0]
     clock.now += 30
-    reg.record_probe(C, ready)
+    reg.verdicts.record_probe(C, ready)
     assert reg.snapshot().get(C).weight == pytest.approx(0.1)
     assert reg.snapshot().get(A).weight == 1.0
 
@@ -264,13 +265,13 @@ def test_slow_start_with_least_conn_divides_by_weight():
     attach(reg, A, 4)
     attach(reg, B, 4)
     for _ in range(2):
-        reg.record_probe(C, DOWN)
-    reg.record_probe(C, OK)
-    first = reg.reserve()
+        reg.verdicts.record_probe(C, DOWN)
+    reg.verdicts.record_probe(C, OK)
+    first = reg.picks.reserve()
     assert first is not None and first.address == C  # empty wins
-    assert reg.attach(first, Conn("c1"))
+    assert reg.conns.attach(first, Conn("c1"))
     # 1 / 0.1 = 10 connections per unit of weight against 4: the others now
-    assert {reg.reserve().address for _ in range(4)} <= {A, B}
+    assert {reg.picks.reserve().address for _ in range(4)} <= {A, B}
 
 
 def test_rebalancing_shares_by_weight():
@@ -278,32 +279,32 @@ def test_rebalancing_shares_by_weight():
     attach(reg, A, 5)
     attach(reg, B, 5)
     for _ in range(2):
-        reg.record_probe(C, DOWN)
-    reg.record_probe(C, OK)  # weight 0.1: its share of 10 is 10 * 0.1 / 2.1 = 0.48
+        reg.verdicts.record_probe(C, DOWN)
+    reg.verdicts.record_probe(C, OK)  # weight 0.1: its share of 10 is 10 * 0.1 / 2.1 = 0.48
     clock.now += 20  # weight 0.28: share 1.23; A and B hold 5 of 4.39: under 1.25 x
-    assert reg.rebalance().last_reason == balance.NO_SKEW
+    assert reg.rounds.rebalance().last_reason == balance.NO_SKEW
     snap = reg.snapshot()
     assert snap.get(C).fair_share == pytest.approx(10 * 0.28 / 2.28)
     clock.now += 60  # weight 0.82: share 2.9; 5 > 1.25 * 3.55 = 4.4
-    assert reg.rebalance().last_reason == balance.ACTED
+    assert reg.rounds.rebalance().last_reason == balance.ACTED
 
 
 def test_slow_start_ramps_a_fallback_listed_again():
     reg, clock = make(interval=0.0, slow=100.0)
-    reg.set_roles(Roles(fallback=frozenset({C})))  # a static endpoint discovery lacks
+    reg.membership.set_roles(Roles(fallback=frozenset({C})))  # a static endpoint discovery lacks
     assert not reg.snapshot().get(C).pickable
     clock.now += 10
-    reg.set_roles(Roles())  # listed by discovery again: it serves again, from 0.1
+    reg.membership.set_roles(Roles())  # listed by discovery again: it serves again, from 0.1
     assert reg.snapshot().get(C).weight == pytest.approx(0.1)
 
 
 def test_slow_start_with_latency_weighs_inside_the_tier():
     reg, _clock = make(interval=0.0, slow=100.0, selection="latency")
     for addr in (A, B, C):
-        reg.record_probe(addr, OK)  # one tier: every connect took 1 ms
-    reg.set_admin(C, "drain", 0)
-    reg.set_admin(C, "", 0)  # back: 0.1 of A's or B's weight inside the tier
-    picks = Counter(str(reg.reserve().endpoint) for _ in range(6000))
+        reg.verdicts.record_probe(addr, OK)  # one tier: every connect took 1 ms
+    reg.membership.set_admin(C, "drain", 0)
+    reg.membership.set_admin(C, "", 0)  # back: 0.1 of A's or B's weight inside the tier
+    picks = Counter(str(reg.picks.reserve().endpoint) for _ in range(6000))
     assert picks[C] / 6000 == pytest.approx(0.1 / 2.1, abs=0.015)
 
 

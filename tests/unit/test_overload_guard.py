@@ -25,15 +25,15 @@ SLOW_DIAL = "no answer within 1s to the client's TLS ClientHello"
 def make(guard: bool = True, readyz: bool = True) -> Registry:
     reg = Registry(clock=Clock(), readyz=readyz, overload_guard=guard,
                    unready_drain_timeout=1.0)
-    reg.set_endpoints(EPS)
+    reg.membership.set_endpoints(EPS)
     for addr in (A, B, C):
-        reg.record_probe(addr, ready(True) if readyz else ProbeResult(True, 0.001, ""))
+        reg.verdicts.record_probe(addr, ready(True) if readyz else ProbeResult(True, 0.001, ""))
     return reg
 
 
 def exclude(reg: Registry, addr: str, result: ProbeResult) -> None:
-    reg.record_probe(addr, result)
-    reg.record_probe(addr, result)
+    reg.verdicts.record_probe(addr, result)
+    reg.verdicts.record_probe(addr, result)
 
 
 def metrics_text(reg: Registry) -> str:
@@ -44,8 +44,8 @@ def metrics_text(reg: Registry) -> str:
 
 def test_a_frozen_upstream_beside_healthy_ones_counts_at_once():
     reg = make()
-    assert reg.record_probe(A, SLOW) is True  # B and C answer in time: the recheck is due
-    reg.record_probe(A, SLOW)
+    assert reg.verdicts.record_probe(A, SLOW) is True  # B and C answer in time: the recheck is due
+    reg.verdicts.record_probe(A, SLOW)
     view = reg.snapshot().get(A)
     assert not view.ready and view.slow_not_counted == 0
 
@@ -56,14 +56,14 @@ def test_survivors_all_answering_slowly_stay_in_service(caplog):
     exclude(reg, A, DOWN)
     with caplog.at_level(logging.INFO, logger="extractedprism.upstreams.registry"):
         # B is slow while C answers in time: B's own slowness, counted (its first failure).
-        assert reg.record_probe(B, SLOW) is True
+        assert reg.verdicts.record_probe(B, SLOW) is True
         # C is slow too, and B's latest check failed: nobody is faster, not counted.
-        assert reg.record_probe(C, SLOW) is False
+        assert reg.verdicts.record_probe(C, SLOW) is False
         # B's confirming check: C's latest was slow too (shown, not counted): held.
-        assert reg.record_probe(B, SLOW) is False
+        assert reg.verdicts.record_probe(B, SLOW) is False
         for _ in range(3):
-            reg.record_probe(B, SLOW)
-            reg.record_probe(C, SLOW)
+            reg.verdicts.record_probe(B, SLOW)
+            reg.verdicts.record_probe(C, SLOW)
     snap = reg.snapshot()
     for addr in (B, C):
         view = snap.get(addr)
@@ -78,7 +78,7 @@ def test_survivors_all_answering_slowly_stay_in_service(caplog):
     # New connections keep going to the two survivors.
     seen = set()
     for _ in range(40):
-        res = reg.reserve()
+        res = reg.picks.reserve()
         assert res is not None and res.address in (B, C)
         seen.add(res.address)
         res.release()
@@ -87,7 +87,7 @@ def test_survivors_all_answering_slowly_stay_in_service(caplog):
     assert 'extractedprism_slow_not_counted_total{upstream="10.0.0.3:6443"} 4.0' in text
     assert upstream_entry(snap.get(C), lambda t: t)["slow_not_counted"] == 4
     # C answers in time again: against it, B's next slow answers count as usual.
-    reg.record_probe(C, ready(True))
+    reg.verdicts.record_probe(C, ready(True))
     exclude(reg, B, SLOW)
     assert not reg.snapshot().get(B).ready
 
@@ -97,7 +97,7 @@ def test_the_last_upstream_serving_answering_slowly_stays_in_service():
     exclude(reg, A, SLOW)  # frozen beside healthy ones: excluded
     exclude(reg, B, ready(False))  # cut from etcd: HTTP 500, excluded
     for _ in range(3):
-        reg.record_probe(C, SLOW)
+        reg.verdicts.record_probe(C, SLOW)
     view = reg.snapshot().get(C)
     assert view.ready and view.slow_not_counted == 3
 
@@ -111,7 +111,7 @@ def test_a_peer_with_a_stalled_connection_does_not_vouch():
     exclude(reg, a, DOWN)
     rig.stalled(c, "c1")  # c's latest check passed, but a request on it waits
     for _ in range(3):
-        reg.record_probe(b, SLOW)
+        reg.verdicts.record_probe(b, SLOW)
     view = reg.snapshot().get(b)
     assert view.ready and view.slow_not_counted == 3
     # The same without the stall: c vouches, b's slowness counts.
@@ -128,14 +128,14 @@ def test_a_slow_answer_not_counted_closes_no_stalled_connection():
     exclude(reg, a, DOWN)
     on_b = rig.stalled(b, "b1")
     rig.stalled(c, "c1")
-    reg.record_probe(b, SLOW)  # c has a stalled connection: no faster peer
+    reg.verdicts.record_probe(b, SLOW)  # c has a stalled connection: no faster peer
     assert not on_b.closed and reg.snapshot().get(b).slow_not_counted == 1
     # Without the guard the same check closes it (the failed-check rule).
     rig2 = Rig()
     exclude(rig2.reg, a, DOWN)
     on_b2 = rig2.stalled(b, "b1")
     rig2.stalled(c, "c1")
-    rig2.reg.record_probe(b, SLOW)
+    rig2.reg.verdicts.record_probe(b, SLOW)
     assert on_b2.closed
 
 
@@ -146,8 +146,8 @@ def test_a_slow_answer_not_counted_closes_no_stalled_connection():
 def test_an_answer_that_says_no_still_counts_when_every_one_is_slow(result):
     reg = make()
     exclude(reg, A, DOWN)
-    reg.record_probe(B, SLOW)  # counted (C was in time), then C slow: not counted
-    reg.record_probe(C, SLOW)
+    reg.verdicts.record_probe(B, SLOW)  # counted (C was in time), then C slow: not counted
+    reg.verdicts.record_probe(C, SLOW)
     exclude(reg, C, result)
     view = reg.snapshot().get(C)
     assert not (view.ready and view.healthy)
@@ -167,16 +167,16 @@ def test_off_the_spec_counts_every_timeout():
 @pytest.mark.parametrize("readyz", [True, False], ids=["readyz", "tcp"])
 def test_a_clients_first_answer_past_the_timeout_counts_only_against_a_faster_peer(readyz):
     reg = make(readyz=readyz)
-    reg.record_dial(A, False, SLOW_DIAL, slow=True)  # B and C answer in time: counted
-    reg.record_dial(A, False, SLOW_DIAL, slow=True)
+    reg.verdicts.record_dial(A, False, SLOW_DIAL, slow=True)  # B and C answer in time: counted
+    reg.verdicts.record_dial(A, False, SLOW_DIAL, slow=True)
     assert not reg.snapshot().get(A).healthy
     exclude(reg, B, DOWN)  # C is the last one
     for _ in range(3):
-        reg.record_dial(C, False, SLOW_DIAL, slow=True)
+        reg.verdicts.record_dial(C, False, SLOW_DIAL, slow=True)
     view = reg.snapshot().get(C)
     assert view.healthy and (view.ready or not readyz)
     assert view.slow_not_counted == 3 and view.last_error_source == "dial"
     # A reset without an answer is an answer of sorts: it counts.
-    reg.record_dial(C, False, "closed the connection without answering", slow=False)
-    reg.record_dial(C, False, "closed the connection without answering", slow=False)
+    reg.verdicts.record_dial(C, False, "closed the connection without answering", slow=False)
+    reg.verdicts.record_dial(C, False, "closed the connection without answering", slow=False)
     assert not reg.snapshot().get(C).healthy

@@ -21,7 +21,7 @@ def make(readyz: bool = False, drain: float = 30.0) -> tuple[Registry, Clock]:
     clock = Clock()
     reg = Registry(readyz=readyz, drain_timeout=drain, clock=clock, rng=random.Random(1),
                    wall_clock=lambda: 1796150000.0 + clock.now)
-    reg.set_endpoints(EPS)
+    reg.membership.set_endpoints(EPS)
     return reg, clock
 
 
@@ -34,7 +34,7 @@ def view(reg: Registry, addr: str):  # type: ignore[no-untyped-def]
 def attach(reg: Registry, addr: str, n: int) -> list[Conn]:
     conns = [Conn(f"c{i}") for i in range(n)]
     for c in conns:
-        assert reg.attach(addr, c)
+        assert reg.conns.attach(addr, c)
     return conns
 
 
@@ -92,11 +92,11 @@ def test_since_moves_only_when_the_word_changes() -> None:
     reg, clock = make()
     assert view(reg, A).since == 1000.0 and view(reg, A).state == "healthy"
     clock.now = 1010.0
-    reg.record_probe(A, DOWN)
+    reg.verdicts.record_probe(A, DOWN)
     assert view(reg, A).since == 1000.0  # one failure: still healthy
     assert view(reg, A).failures == 1 and view(reg, A).last_check_at == 1010.0
     clock.now = 1020.0
-    reg.record_probe(A, DOWN)
+    reg.verdicts.record_probe(A, DOWN)
     assert (view(reg, A).state, view(reg, A).since) == ("unhealthy", 1020.0)
     snap = reg.snapshot()
     assert snap.taken_mono == 1020.0 and snap.taken_wall == 1796150000.0 + 1020.0
@@ -105,13 +105,13 @@ def test_since_moves_only_when_the_word_changes() -> None:
 def test_dials_mark_and_say_so_and_their_times_are_kept() -> None:
     reg, clock = make()
     clock.now = 1005.0
-    reg.record_dial(A, False, "connection refused", duration=0.002)
-    reg.record_dial(A, False, "connection refused", duration=0.003)
+    reg.verdicts.record_dial(A, False, "connection refused", duration=0.002)
+    reg.verdicts.record_dial(A, False, "connection refused", duration=0.003)
     v = view(reg, A)
     assert (v.state, v.last_error_source, v.last_check_error) == (
         "unhealthy", "dial", "connection refused")
     assert v.last_check_at == 1005.0 and v.since == 1005.0 and v.failures == 2
-    reg.record_dial(B, True, duration=0.0001)
+    reg.verdicts.record_dial(B, True, duration=0.0001)
     assert view(reg, A).dials.count == 2 and abs(view(reg, A).dials.total - 0.005) < 1e-9
     assert view(reg, B).dials.count == 1
     assert view(reg, C).dials.count == 0
@@ -119,24 +119,24 @@ def test_dials_mark_and_say_so_and_their_times_are_kept() -> None:
 
 def test_turned_away_clients_are_counted() -> None:
     reg, _ = make()
-    reg.record_no_upstream()
-    reg.record_no_upstream()
+    reg.verdicts.record_no_upstream()
+    reg.verdicts.record_no_upstream()
     assert reg.snapshot().turned_away == 2
 
 
 def test_removed_and_unready_closes_show_reason_and_deadline() -> None:
     reg, clock = make(readyz=True, drain=30.0)
     for addr in (A, B, C):
-        reg.record_probe(addr, ready(True))
+        reg.verdicts.record_probe(addr, ready(True))
     attach(reg, A, 1)
     attach(reg, B, 1)
     clock.now = 1100.0
-    reg.set_endpoints(EPS[1:])
+    reg.membership.set_endpoints(EPS[1:])
     v = view(reg, A)
     assert (v.state, v.draining, v.draining_reason, v.close_deadline) == (
         "draining", True, "removed", 1130.0)
-    reg.record_probe(B, ready(False))
-    reg.record_probe(B, ready(False))
+    reg.verdicts.record_probe(B, ready(False))
+    reg.verdicts.record_probe(B, ready(False))
     v = view(reg, B)
     assert (v.state, v.draining, v.draining_reason, v.close_deadline) == (
         "closing-unready", False, "unready", 1130.0)
@@ -152,18 +152,18 @@ def test_drain_stops_picks_keeps_connections_and_probes() -> None:
         "admin-drain", False, "admin", False)
     assert v.admin is not None and (v.admin.action, v.admin.uid) == ("drain", 1000)
     assert all(str(picked(reg)) != A for _ in range(50))
-    assert not reg.attach(A, Conn("late"))  # a dial in flight when the drain came
+    assert not reg.conns.attach(A, Conn("late"))  # a dial in flight when the drain came
     assert A in {str(e) for e in reg.probe_targets()}
     clock.now = 2000.0
-    assert reg.tick() is None and not conn.closed
+    assert reg.membership.tick() is None and not conn.closed
     # Probed while drained: it turns unhealthy, and undrain does not make it pickable.
-    reg.record_probe(A, DOWN)
-    reg.record_probe(A, DOWN)
+    reg.verdicts.record_probe(A, DOWN)
+    reg.verdicts.record_probe(A, DOWN)
     code, message = AdminActions(reg).undrain(A, 1000)
     assert code == 0 and "unhealthy" in message
     assert view(reg, A).state == "unhealthy" and view(reg, A).admin is None
     assert all(str(picked(reg)) != A for _ in range(50))
-    reg.record_probe(A, OK)
+    reg.verdicts.record_probe(A, OK)
     assert view(reg, A).pickable
 
 
@@ -175,19 +175,19 @@ def test_close_spreads_over_the_drain_timeout() -> None:
     v = view(reg, A)
     assert (v.state, v.draining_reason, v.close_deadline) == ("admin-drain", "admin", 1030.0)
     assert v.admin is not None and v.admin.action == "close"
-    assert reg.tick() == 1010.0
+    assert reg.membership.tick() == 1010.0
     clock.now = 1010.0
-    assert reg.tick() == 1020.0
+    assert reg.membership.tick() == 1020.0
     assert [c.closed for c in conns] == [True, False, False]
-    reg.detach(A, conns[0])
-    reg.detach(A, conns[2])  # ended by itself: its turn is dropped
+    reg.conns.detach(A, conns[0])
+    reg.conns.detach(A, conns[2])  # ended by itself: its turn is dropped
     assert view(reg, A).close_deadline == 1020.0
     clock.now = 1020.0
-    assert reg.tick() is None
+    assert reg.membership.tick() is None
     assert conns[1].closed
-    reg.detach(A, conns[1])
+    reg.conns.detach(A, conns[1])
     assert view(reg, A).close_deadline is None and view(reg, A).state == "admin-drain"
-    assert not reg.attach(A, Conn("new"))
+    assert not reg.conns.attach(A, Conn("new"))
 
 
 def test_close_with_zero_drain_timeout_closes_at_once() -> None:
@@ -200,8 +200,8 @@ def test_close_with_zero_drain_timeout_closes_at_once() -> None:
 def test_close_refused_without_another_healthy_upstream_unless_forced() -> None:
     reg, _ = make()
     for addr in (B, C):
-        reg.record_probe(addr, DOWN)
-        reg.record_probe(addr, DOWN)
+        reg.verdicts.record_probe(addr, DOWN)
+        reg.verdicts.record_probe(addr, DOWN)
     (conn,) = attach(reg, A, 1)
     code, message = AdminActions(reg).close(A, 0)
     assert code == 1 and "no other healthy upstream" in message and "--force" in message
@@ -211,11 +211,11 @@ def test_close_refused_without_another_healthy_upstream_unless_forced() -> None:
 
 def test_close_in_readyz_mode_needs_another_ready_one() -> None:
     reg, _ = make(readyz=True)
-    reg.record_probe(A, ready(True))
-    reg.record_probe(B, ready(False))  # healthy, not ready
+    reg.verdicts.record_probe(A, ready(True))
+    reg.verdicts.record_probe(B, ready(False))  # healthy, not ready
     code, message = AdminActions(reg).close(A, 0)
     assert code == 1 and "no other ready upstream" in message
-    reg.record_probe(C, ready(True))
+    reg.verdicts.record_probe(C, ready(True))
     assert AdminActions(reg).close(A, 0)[0] == 0
     # A drained (or closed) upstream does not count as the "other" one either.
     assert AdminActions(reg).close(C, 0)[0] == 1
@@ -224,12 +224,12 @@ def test_close_in_readyz_mode_needs_another_ready_one() -> None:
 def test_a_drained_ready_upstream_does_not_trigger_readiness_closes_elsewhere() -> None:
     reg, _ = make(readyz=True)
     for addr in (A, B, C):
-        reg.record_probe(addr, ready(True))
+        reg.verdicts.record_probe(addr, ready(True))
     AdminActions(reg).drain(B, 0)
     AdminActions(reg).drain(C, 0)
     attach(reg, A, 1)
-    reg.record_probe(A, ready(False))
-    reg.record_probe(A, ready(False))
+    reg.verdicts.record_probe(A, ready(False))
+    reg.verdicts.record_probe(A, ready(False))
     # Only drained upstreams are ready: A keeps its connections (no close scheduled).
     assert view(reg, A).state == "healthy" and view(reg, A).close_deadline is None
 
@@ -247,7 +247,7 @@ def test_every_upstream_drained_means_panic_and_not_ready() -> None:
     for addr in (A, B, C):
         AdminActions(reg).drain(addr, 0)
     assert not reg.healthy()
-    assert picked(reg) is None and reg.panic_order() == []
+    assert picked(reg) is None and reg.picks.panic_order() == []
     assert reg.snapshot().panic
     AdminActions(reg).undrain(B, 0)
     assert reg.healthy() and str(picked(reg)) == B
@@ -257,14 +257,14 @@ def test_drain_survives_a_readd_but_not_a_completed_removal() -> None:
     reg, _ = make(drain=30.0)
     attach(reg, A, 1)
     AdminActions(reg).drain(A, 0)
-    reg.set_endpoints(EPS[1:])
+    reg.membership.set_endpoints(EPS[1:])
     assert view(reg, A).state == "draining"
-    reg.set_endpoints(EPS)  # re-added before the drain completed
+    reg.membership.set_endpoints(EPS)  # re-added before the drain completed
     assert view(reg, A).state == "admin-drain"
     reg2, _ = make(drain=0.0)
     AdminActions(reg2).drain(A, 0)
-    reg2.set_endpoints(EPS[1:])
-    reg2.set_endpoints(EPS)
+    reg2.membership.set_endpoints(EPS[1:])
+    reg2.membership.set_endpoints(EPS)
     assert view(reg2, A).state == "healthy" and view(reg2, A).admin is None
     assert isinstance(EPS[0], Endpoint)
 
@@ -283,12 +283,12 @@ def test_the_messages_of_drain_and_undrain() -> None:
     assert ops.drain(B, 0) == (0, f"{B} is already closed by an operator (undrain it first)")
     assert view(reg, B).admin is not None and view(reg, B).admin.action == "close"
     ops.drain(A, 0)
-    reg.set_endpoints(EPS[1:])  # A is removed and drains its two connections
+    reg.membership.set_endpoints(EPS[1:])  # A is removed and drains its two connections
     assert ops.undrain(A, 0) == (0, f"undrained {A}; it stays draining: it was removed "
                                     "from the endpoints")
     reg, _ = make(readyz=True)
     ops = AdminActions(reg)
-    reg.record_probe(A, ready(False))
+    reg.verdicts.record_probe(A, ready(False))
     ops.drain(A, 0)
     assert ops.undrain(A, 0) == (0, f"undrained {A}; readyz says not ready: new "
                                     "connections prefer others")

@@ -6,8 +6,9 @@ from __future__ import annotations
 from extractedprism.config.endpoints import Endpoint, parse_endpoint
 from extractedprism.discovery.merge import Merger
 from extractedprism.upstreams import state as sm
+from extractedprism.upstreams.eligibility import Candidate
 from extractedprism.upstreams.roles import Roles
-from extractedprism.upstreams.selection import Candidate, choose
+from tests.unit.test_selection import choose
 from tests.util import FixedRandom
 
 

@@ -10,7 +10,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extractedprism.config.table import SELECTION_MODES as MODES
-from extractedprism.upstreams.selection import Candidate, choose, hedge_last_resort
+from extractedprism.upstreams.eligibility import Candidate, eligible, hedge_base, ranked
+from extractedprism.upstreams.policies import policy_for
+
+
+def choose(cands: list[Candidate], *, mode: str, readyz: bool, rng: random.Random,
+           exclude: object = ()) -> str | None:
+    """The registry's pick over ``cands``: the one rule, then the policy's pick."""
+    policy = policy_for(mode)
+    pool = eligible(cands, readyz=readyz, policy=policy, exclude=exclude)  # type: ignore[arg-type]
+    return policy.pick([x.address for x in pool], rng=rng,
+                       active=[x.active for x in pool] if policy.counts_active else None)
+
+
+def hedge_last_resort(cands: list[Candidate], *, readyz: bool, exclude: object = ()
+                      ) -> str | None:
+    best = ranked(cands, readyz=readyz, exclude=exclude, base=hedge_base)  # type: ignore[arg-type]
+    return best[0].address if best else None
 
 
 def c(address: str, *, healthy: bool = True, draining: bool = False, ready: bool = True,
@@ -177,7 +193,7 @@ def h(address: str, *, stalled: bool = False, last: float = 0.0, fallback: bool 
       healthy: bool = True, ready: bool = True, draining: bool = False,
       admin: bool = False) -> Candidate:
     return Candidate(address, healthy, draining, ready, None, 0, fallback=fallback,
-                     admin_drained=admin, stalled=stalled, last_success=last)
+                     admin_drained=admin, marked=stalled, last_success=last)
 
 
 HEDGE_TABLE = [

@@ -90,14 +90,14 @@ class Rig:
         self.reg = Registry(clock=self.clock, readyz=readyz, stall_timeout=stall,
                             selection=selection, unready_drain_timeout=30.0,
                             on_change=self.changes.append, overload_guard=overload_guard)
-        self.reg.set_endpoints(EPS)
+        self.reg.membership.set_endpoints(EPS)
         for addr in (str(e) for e in EPS):
-            self.reg.record_probe(addr, ready(True))
+            self.reg.verdicts.record_probe(addr, ready(True))
         self.changes.clear()
 
     def conn(self, addr: str, name: str) -> Conn:
         c = Conn(name)
-        assert self.reg.attach(addr, c)
+        assert self.reg.conns.attach(addr, c)
         return c
 
     def stalled(self, addr: str, name: str) -> Conn:
@@ -113,7 +113,7 @@ class Rig:
     def sample(self, after: float = 0.0) -> list[Change]:
         self.clock.now += after
         self.changes.clear()
-        self.reg.sample_activity()
+        self.reg.stalls.sample_activity()
         return [c for c in self.changes if c.what == "stall-check"]
 
 
@@ -156,10 +156,10 @@ def test_a_stretch_still_unanswered_gets_one_second_look_and_no_more():
     ask(c)
     rig.sample(0.25)
     assert rig.sample(T) == [Change("stall-check", A)]
-    rig.reg.record_probe(A, ready(True), stall=True)  # the first look passed
+    rig.reg.verdicts.record_probe(A, ready(True), stall=True)  # the first look passed
     assert rig.sample(2 * T - 0.25) == []  # an answer within 3 T costs one probe
     assert rig.sample(0.25) == [Change("stall-check", A)]  # the second look
-    rig.reg.record_probe(A, ready(True), stall=True)
+    rig.reg.verdicts.record_probe(A, ready(True), stall=True)
     for _ in range(10):  # a LIST that takes a minute costs no more probes
         assert rig.sample(T) == []
     assert rig.reg.snapshot().get(A).stalls == 1
@@ -203,8 +203,8 @@ def test_no_stall_check_of_an_excluded_upstream_or_without_client_bytes():
         answer(watch)  # only the upstream sends
         assert rig.sample(T) == []
     c = rig.conn(B, "c")
-    rig.reg.record_probe(B, ready(False))
-    rig.reg.record_probe(B, ready(False))  # unready: excluded already
+    rig.reg.verdicts.record_probe(B, ready(False))
+    rig.reg.verdicts.record_probe(B, ready(False))  # unready: excluded already
     rig.sample()
     ask(c)
     rig.sample(0.1)
@@ -220,14 +220,14 @@ def test_a_stall_checks_result_counts_like_any_other_and_is_counted_and_logged(c
     rig.sample(0.1)
     assert rig.sample(T)
     with caplog.at_level(logging.INFO, logger="extractedprism.upstreams.registry"):
-        assert rig.reg.record_probe(A, ready(False), stall=True) is True  # confirm soon
+        assert rig.reg.verdicts.record_probe(A, ready(False), stall=True) is True  # confirm soon
     lines = [r.getMessage() for r in caplog.records if "stall check" in r.getMessage()]
     assert len(lines) == 1
     assert f"stall check upstream={A} result=failed reason='HTTP 500'" in lines[0]
     assert "stalled_connections=1 stalled_for=2.0s client=kubelet" in lines[0]
     view = rig.reg.snapshot().get(A)
     assert view.ready and dict(view.stall_checks) == {"failed": 1}  # one failure: not yet
-    rig.reg.record_probe(A, ready(True), stall=False)  # an ordinary check clears it
+    rig.reg.verdicts.record_probe(A, ready(True), stall=False)  # an ordinary check clears it
     assert rig.reg.snapshot().get(A).ready
     assert dict(rig.reg.snapshot().get(A).stall_checks) == {"failed": 1}
     text = metrics_text(rig.reg)
@@ -250,12 +250,12 @@ def test_a_failed_check_closes_its_stalled_connections_and_the_others_stay(ready
     fail = ready(False) if readyz else DOWN
     # The first failed check: what waits on an answer goes now (the client reconnects
     # elsewhere); the upstream itself stays in service until the confirming check.
-    rig.reg.record_probe(A, fail, stall=True)
+    rig.reg.verdicts.record_probe(A, fail, stall=True)
     assert stalled.closed and not quiet.closed and not fresh.closed
     view = rig.reg.snapshot().get(A)
     assert view.ready if readyz else view.healthy
-    rig.reg.detach(A, stalled)
-    rig.reg.record_probe(A, fail)
+    rig.reg.conns.detach(A, stalled)
+    rig.reg.verdicts.record_probe(A, fail)
     view = rig.reg.snapshot().get(A)
     assert (not view.ready) if readyz else (not view.healthy)
     assert not quiet.closed and not fresh.closed  # they keep --unready-drain-timeout
@@ -264,9 +264,9 @@ def test_a_failed_check_closes_its_stalled_connections_and_the_others_stay(ready
 def test_a_passed_check_closes_nothing():
     rig = Rig()
     c = rig.stalled(A, "slow-list")
-    rig.reg.record_probe(A, ready(True), stall=True)
+    rig.reg.verdicts.record_probe(A, ready(True), stall=True)
     rig.sample(2 * T)  # the second look
-    rig.reg.record_probe(A, ready(True), stall=True)
+    rig.reg.verdicts.record_probe(A, ready(True), stall=True)
     assert not c.closed and rig.reg.snapshot().get(A).ready
 
 
@@ -280,13 +280,13 @@ def test_after_a_failed_check_closed_its_stalled_connections_picks_avoid_it_unti
     for i, addr in enumerate(sorted(others)):
         answer(rig.conn(addr, f"busy{i}"))
     c = rig.stalled(A, "kubelet")
-    rig.reg.record_probe(A, ready(False), stall=True)
+    rig.reg.verdicts.record_probe(A, ready(False), stall=True)
     assert c.closed
-    rig.reg.detach(A, c)
+    rig.reg.conns.detach(A, c)
     for _ in range(3):  # samples come and go: still avoided, no check has decided
         rig.sample(T / 8)
         assert picks(rig.reg) == others
-    rig.reg.record_probe(A, ready(True))  # the next check passes: back in the picks
+    rig.reg.verdicts.record_probe(A, ready(True))  # the next check passes: back in the picks
     rig.sample(T / 8)
     assert A in picks(rig.reg)
 
@@ -294,7 +294,7 @@ def test_after_a_failed_check_closed_its_stalled_connections_picks_avoid_it_unti
 def picks(reg: Registry, n: int = 60) -> set[str]:
     out = set()
     for _ in range(n):
-        res = reg.reserve()
+        res = reg.picks.reserve()
         assert res is not None
         out.add(res.address)
         res.release()
@@ -304,15 +304,15 @@ def picks(reg: Registry, n: int = 60) -> set[str]:
 def test_no_close_at_the_exclusion_when_no_other_upstream_serves():
     rig = Rig()
     for addr in (B, str(EPS[2])):
-        rig.reg.record_probe(addr, ready(False))
-        rig.reg.record_probe(addr, ready(False))
+        rig.reg.verdicts.record_probe(addr, ready(False))
+        rig.reg.verdicts.record_probe(addr, ready(False))
     c = rig.conn(A, "kubelet")
     rig.sample()
     ask(c)
     rig.sample(0.1)
     rig.sample(T)
-    rig.reg.record_probe(A, ready(False))
-    rig.reg.record_probe(A, ready(False))
+    rig.reg.verdicts.record_probe(A, ready(False))
+    rig.reg.verdicts.record_probe(A, ready(False))
     assert not c.closed
 
 
@@ -324,8 +324,8 @@ def test_off_tracks_nothing_and_shows_nulls():
     assert rig.sample(10 * T) == []
     view = rig.reg.snapshot().get(A)
     assert (view.stalls, view.stalled_connections, view.stall_checks) == (None, None, ())
-    rig.reg.record_probe(A, ready(False))
-    rig.reg.record_probe(A, ready(False))
+    rig.reg.verdicts.record_probe(A, ready(False))
+    rig.reg.verdicts.record_probe(A, ready(False))
     assert not c.closed
     assert "stall_checks_total" not in metrics_text(rig.reg)
 
@@ -338,7 +338,7 @@ def test_new_connections_avoid_a_suspect_while_another_upstream_can_take_them(se
     def picks(n: int = 60) -> set[str]:
         out = set()
         for _ in range(n):
-            res = rig.reg.reserve()
+            res = rig.reg.picks.reserve()
             assert res is not None
             out.add(res.address)
             res.release()
@@ -379,7 +379,7 @@ def test_a_retry_or_hedge_avoids_a_suspect_while_another_upstream_is_left(select
     def picks(exclude: set[str], n: int = 60) -> set[str]:
         out = set()
         for _ in range(n):
-            res = rig.reg.reserve(exclude=exclude)
+            res = rig.reg.picks.reserve(exclude=exclude)
             assert res is not None
             out.add(res.address)
             res.release()
@@ -402,18 +402,18 @@ def test_a_retry_or_hedge_avoids_a_suspect_while_another_upstream_is_left(select
 
 def test_a_retry_avoids_an_upstream_whose_dial_stalled():
     reg = Registry(readyz=False)
-    reg.set_endpoints(EPS)
+    reg.membership.set_endpoints(EPS)
     b, c3 = sorted({str(e) for e in EPS} - {A})
     while True:  # a dial to A, marked stalled by the Dialer
-        first = reg.reserve()
+        first = reg.picks.reserve()
         assert first is not None
         if first.address == A:
             break
         first.release()
-    reg.stall_dial(first)
+    reg.picks.stall_dial(first)
     seen = set()
     for _ in range(60):
-        res = reg.reserve(exclude={b})
+        res = reg.picks.reserve(exclude={b})
         assert res is not None
         seen.add(res.address)
         res.release()
@@ -428,4 +428,4 @@ def test_off_has_no_suspects():
     ask(c)
     rig.sample(0.25)
     rig.sample(10 * T)
-    assert A in {rig.reg.reserve().address for _ in range(60)}  # type: ignore[union-attr]
+    assert A in {rig.reg.picks.reserve().address for _ in range(60)}  # type: ignore[union-attr]
