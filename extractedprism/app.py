@@ -35,6 +35,7 @@ from extractedprism.checks.probes import (
     Prober,
     ReadyzSettings,
     ca_file_problem,
+    kept_max_age,
 )
 from extractedprism.checks.ticker import Ticker
 from extractedprism.config.endpoints import Endpoint
@@ -112,7 +113,8 @@ class App:
             )
         # The probes' kept-alive readyz connections, owned by the ticker (unless a test
         # hands in a prober of its own).
-        self.probe_connections = ProbeConnections() if prober is None else None
+        self.probe_connections = (ProbeConnections(max_age=kept_max_age(config.health_interval))
+                                  if prober is None else None)
         if self.probe_connections is not None and readyz is not None:
             self.metrics.attach_probe_connections(self.probe_connections.opened)
         self.ticker = Ticker(self.registry, interval=config.health_interval,
