@@ -199,6 +199,10 @@ class App:
         try:
             self._start_threads(successor=received is not None)
         except BaseException:
+            if self.admin is not None:
+                # Its file too (a successor's, still beside the path), whether or not the
+                # caller's stop() follows: an unexpected error ends the process without.
+                self.admin.stop(time.monotonic())
             if received is not None:
                 received.abort()
             if "proxy" in taken:
@@ -206,6 +210,11 @@ class App:
                 # that follows must not shut it down.
                 self.proxy.stop_accepting()
             raise
+        if self.admin is not None:
+            # Past the last point where this start can fail: only now may a successor's
+            # admin socket replace its predecessor's, which would otherwise be left, after
+            # a failed start, with none at the path.
+            self.admin.take_path()
         if received is not None:
             # Accepting here already: only now may the predecessor stop.
             received.finish(taken)
@@ -290,8 +299,9 @@ class App:
             # Before any thread runs, like the listeners: a bad path fails the start
             # (exit 1, naming the flag) and the caller's stop() closes what is open. A
             # successor in a handover takes the path over from its predecessor (the
-            # same command line names the same path), which keeps answering on the
-            # socket it holds until it stops and then leaves the path alone.
+            # same command line names the same path) once its start succeeded
+            # (start(): take_path); the predecessor keeps answering on the socket it
+            # holds until it stops and then leaves the path alone.
             admin = AdminServer(cfg.admin_socket,
                                 AdminActions(self.registry, self.rebalancer),
                                 self.admin_listing)
