@@ -75,8 +75,17 @@ class Identity(NamedTuple):
     ctime_ns: int
 
 
+def shown_path(path: str) -> str:
+    """``path`` for a message: control characters (a NUL, a line break) escaped, so the
+    message stays one readable line."""
+    return path if path.isprintable() else path.encode("unicode_escape").decode("ascii")
+
+
 def identity(path: str, what: str) -> Identity:
     """The file's identity; raises :class:`FileProblem` unless it is a regular file."""
+    if "\0" in path:  # os.stat() would raise ValueError, not naming the file
+        raise FileProblem(f"{what} unusable: {shown_path(path)}: the path contains a NUL "
+                          "byte")
     try:
         st = os.stat(path)
     except FileNotFoundError:

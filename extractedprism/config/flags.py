@@ -138,6 +138,12 @@ def _to_endpoints(flag: Flag, value: str) -> tuple[Endpoint, ...]:
 
 
 def _to_path(flag: Flag, value: str) -> str:
+    # A NUL byte ends a path for the kernel: no file has such a name, and os.stat() and
+    # open() raise ValueError instead of an OSError that would name the file. A command
+    # line or the environment cannot carry one (execve's strings end at it), but a
+    # configuration built in-process can.
+    if "\0" in value:
+        raise ValueError("the path contains a NUL byte")
     # A path of spaces is as unset as an empty one (a template's blank value, say).
     return value if value.strip() else ""
 
@@ -213,4 +219,6 @@ def show_value(flag: Flag, raw: str, name: str = "") -> str:
     """How a message names a setting: ``--flag (value)``, or ``--flag`` for a blank one;
     ``name`` instead of the option when the value came from elsewhere (``EP_FLAG``)."""
     name = name or flag.option
-    return f"{name} ({raw})" if raw.strip() else name
+    # A control character (a NUL, a line break) is shown escaped: one line, readable.
+    shown = raw if raw.isprintable() else raw.encode("unicode_escape").decode("ascii")
+    return f"{name} ({shown})" if raw.strip() else name

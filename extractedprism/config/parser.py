@@ -258,7 +258,7 @@ def _start_problems(values: Mapping[str, str | None], names: Mapping[str, str]) 
         discovery = parse_bool(values.get("enable_discovery") or "true")
     except ValueError:
         return []  # reported by validate()
-    if not path.strip() or not discovery:
+    if not path.strip() or not discovery or "\0" in path:  # a NUL: validate() said so
         return []
     try:
         # O_NONBLOCK: a FIFO given by mistake must not hang the start.

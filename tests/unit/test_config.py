@@ -260,3 +260,30 @@ def test_answer_hedge_delay_is_bounded():
     for bad in ("61s", "700h"):
         assert problems(answer_hedge_delay=bad) == [
             f"--answer-hedge-delay ({bad}) must be between 0 (off) and 60s"]
+
+
+# --- issue 37, finding 10: a path with a NUL byte -------------------------------------
+
+PATH_FLAGS = [f for f in FLAGS if f.kind == "path"]
+
+
+@pytest.mark.parametrize("flag", PATH_FLAGS, ids=[f.name for f in PATH_FLAGS])
+def test_a_path_with_a_nul_byte_is_one_problem_naming_the_flag(flag):
+    # Kubeconfig, CA, certificate, key and token files, the state file, the unix sockets:
+    # no file is named so, and os.stat() would raise ValueError, naming nothing.
+    found = problems(**{flag.dest: "/etc/kube\0config"})
+    assert found == [f"{flag.option} (/etc/kube\\x00config) is invalid: the path contains "
+                     "a NUL byte"], found
+
+
+def test_a_nul_in_an_ep_variable_is_named_by_the_variable():
+    # The environment of a real process cannot carry a NUL (execve's strings end at it);
+    # a configuration parsed in-process can, and gets the same one line, not a traceback.
+    from extractedprism.config.parser import parse
+
+    with pytest.raises(ConfigError) as err:
+        parse(["--endpoints", "10.0.0.1:6443"],
+              environ={"EP_KUBECONFIG": "/etc/k\0c", "EP_STATE_FILE": "/var/s\0f"})
+    assert err.value.problems == [
+        "EP_KUBECONFIG (/etc/k\\x00c) is invalid: the path contains a NUL byte",
+        "EP_STATE_FILE (/var/s\\x00f) is invalid: the path contains a NUL byte"]
