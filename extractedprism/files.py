@@ -30,7 +30,7 @@ import stat
 from collections.abc import Callable, Iterable
 from typing import Generic, NamedTuple, TypeVar
 
-from extractedprism.errors import Error
+from extractedprism.errors import Error, one_line
 
 T = TypeVar("T")
 
@@ -75,16 +75,10 @@ class Identity(NamedTuple):
     ctime_ns: int
 
 
-def shown_path(path: str) -> str:
-    """``path`` for a message: control characters (a NUL, a line break) escaped, so the
-    message stays one readable line."""
-    return path if path.isprintable() else path.encode("unicode_escape").decode("ascii")
-
-
 def identity(path: str, what: str) -> Identity:
     """The file's identity; raises :class:`FileProblem` unless it is a regular file."""
     if "\0" in path:  # os.stat() would raise ValueError, not naming the file
-        raise FileProblem(f"{what} unusable: {shown_path(path)}: the path contains a NUL "
+        raise FileProblem(f"{what} unusable: {one_line(path)}: the path contains a NUL "
                           "byte")
     try:
         st = os.stat(path)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from extractedprism.config.endpoints import Endpoint, is_valid_host, parse_endpoint_list
+from extractedprism.errors import one_line
 
 # --- text -> value: durations and booleans ------------------------------------
 
@@ -219,6 +220,4 @@ def show_value(flag: Flag, raw: str, name: str = "") -> str:
     """How a message names a setting: ``--flag (value)``, or ``--flag`` for a blank one;
     ``name`` instead of the option when the value came from elsewhere (``EP_FLAG``)."""
     name = name or flag.option
-    # A control character (a NUL, a line break) is shown escaped: one line, readable.
-    shown = raw if raw.isprintable() else raw.encode("unicode_escape").decode("ascii")
-    return f"{name} ({shown})" if raw.strip() else name
+    return f"{name} ({one_line(raw)})" if raw.strip() else name
