@@ -35,6 +35,7 @@ from extractedprism.checks.probes import (
     Prober,
     ReadyzSettings,
     ca_file_problem,
+    kept_max_age,
 )
 from extractedprism.checks.ticker import Ticker
 from extractedprism.config.endpoints import Endpoint
@@ -114,7 +115,8 @@ class App:
             )
         # The probes' kept-alive readyz connections, owned by the ticker (unless a test
         # hands in a prober of its own).
-        self.probe_connections = ProbeConnections() if prober is None else None
+        self.probe_connections = (ProbeConnections(max_age=kept_max_age(config.health_interval))
+                                  if prober is None else None)
         if self.probe_connections is not None and readyz is not None:
             self.metrics.attach_probe_connections(self.probe_connections.opened)
         self.ticker = Ticker(self.registry, interval=config.health_interval,
@@ -199,6 +201,10 @@ class App:
         try:
             self._start_threads(successor=received is not None)
         except BaseException:
+            if self.admin is not None:
+                # Its file too (a successor's, still beside the path), whether or not the
+                # caller's stop() follows: an unexpected error ends the process without.
+                self.admin.stop(time.monotonic())
             if received is not None:
                 received.abort()
             if "proxy" in taken:
@@ -206,6 +212,11 @@ class App:
                 # that follows must not shut it down.
                 self.proxy.stop_accepting()
             raise
+        if self.admin is not None:
+            # Past the last point where this start can fail: only now may a successor's
+            # admin socket replace its predecessor's, which would otherwise be left, after
+            # a failed start, with none at the path.
+            self.admin.take_path()
         if received is not None:
             # Accepting here already: only now may the predecessor stop.
             received.finish(taken)
@@ -290,8 +301,9 @@ class App:
             # Before any thread runs, like the listeners: a bad path fails the start
             # (exit 1, naming the flag) and the caller's stop() closes what is open. A
             # successor in a handover takes the path over from its predecessor (the
-            # same command line names the same path), which keeps answering on the
-            # socket it holds until it stops and then leaves the path alone.
+            # same command line names the same path) once its start succeeded
+            # (start(): take_path); the predecessor keeps answering on the socket it
+            # holds until it stops and then leaves the path alone.
             admin = AdminServer(cfg.admin_socket,
                                 AdminActions(self.registry, self.rebalancer),
                                 self.admin_listing)

@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     setup_logging(config.log_level, fmt=config.log_format, background=True, capture=True)
-    for warning in parsed.warnings:  # a setting given that this configuration never reads
+    for warning in parsed.warnings:  # a setting never read, a combination that misleads
         _log().warning("%s", warning)
     try:
         return _run(config, relay)

@@ -16,6 +16,16 @@ import errno
 FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
+def one_line(text: str) -> str:
+    """A value the user gave, as a message shows it: a NUL, a line break or another
+    control character but the tab escaped (``\\x00``, ``\\n``), so the message stays one
+    line a terminal shows as written (the chart's own messages show a tab as it is)."""
+    if not any((ch < " " and ch != "\t") or ch == "\x7f" for ch in text):
+        return text
+    return "".join(ch.encode("unicode_escape").decode("ascii") if ch != "\t" else ch
+                   for ch in text)
+
+
 class Error(Exception):
     """An error extractedprism raises on purpose; ``str()`` is the sentence to show."""
 

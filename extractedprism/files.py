@@ -30,7 +30,7 @@ import stat
 from collections.abc import Callable, Iterable
 from typing import Generic, NamedTuple, TypeVar
 
-from extractedprism.errors import Error
+from extractedprism.errors import Error, one_line
 
 T = TypeVar("T")
 
@@ -77,6 +77,9 @@ class Identity(NamedTuple):
 
 def identity(path: str, what: str) -> Identity:
     """The file's identity; raises :class:`FileProblem` unless it is a regular file."""
+    if "\0" in path:  # os.stat() would raise ValueError, not naming the file
+        raise FileProblem(f"{what} unusable: {one_line(path)}: the path contains a NUL "
+                          "byte")
     try:
         st = os.stat(path)
     except FileNotFoundError:

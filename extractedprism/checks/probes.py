@@ -11,7 +11,12 @@ line and headers). :func:`probe` opens a new TLS connection for every readyz req
 (``Connection: close``; the body is never read). :class:`ProbeConnections`, what the
 ticker runs, keeps one TLS connection per upstream alive between probes instead (see
 there): the TCP check stays a connect of its own, and the ``GET /readyz`` goes over the
-kept connection, which costs the API server a fraction of a handshake.
+kept connection, which costs the API server a fraction of a handshake. A probe must judge
+what a new client connection would get, so a kept connection is used only while it goes
+to the address the TCP check just connected to (a host name resolved afresh, every probe)
+and is younger than ``max_age`` (:func:`kept_max_age`: :data:`KEPT_MAX_INTERVALS` probe
+intervals); otherwise the probe makes a new one, with a full TLS handshake that verifies
+the server's certificate as it is now.
 Each blocking step gets a socket timeout equal to the budget left, so a probe returns
 within ``timeout`` (plus scheduling noise) whatever the peer does, with one exception:
 ``getaddrinfo`` cannot be interrupted, so a hung resolver for a *hostname* endpoint can
@@ -125,6 +130,22 @@ def _probe(endpoint: Endpoint, timeout: float, readyz: ReadyzSettings | None,
         sock.close()  # a no-op once a TLS connection took the socket over
 
 
+# A kept readyz connection carries the probes of at most this many intervals, then a new
+# one is made: a full handshake verifies the serving certificate the server presents now
+# (a kept connection verified the one it had at its handshake). A multiple of the interval
+# and not a number of seconds, so the handshakes stay the same share of the probes (one in
+# twelve; measured 0.15-0.43 ms more API-server CPU per probe than a connection kept for
+# ever, still half or less of a new connection's, docs/deploy.md) whatever the interval an
+# operator sets for the fleet's size; 12 makes it a minute at the profile's 5 s, and 4
+# minutes at the spec's 20 s.
+KEPT_MAX_INTERVALS = 12
+
+
+def kept_max_age(interval: float) -> float:
+    """Seconds a kept readyz connection is used for, with probes every ``interval``."""
+    return KEPT_MAX_INTERVALS * interval
+
+
 class ProbeConnections:
     """The readyz probe's kept-alive TLS connections, one per upstream, and the prober
     that uses them (:meth:`probe`, a :data:`Prober`).
@@ -136,12 +157,21 @@ class ProbeConnections:
     one, this is a guard) gets a connection of its own that is closed afterwards. The
     registry and its lock are not involved; nothing but ``GET /readyz`` ever goes over a
     kept connection.
+
+    ``max_age``: seconds from a connection's handshake after which no probe uses it (the
+    ticker's is :func:`kept_max_age` of its interval); ``clock`` measures that age.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_age: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._held: dict[str, _Kept] = {}
         self._closed = False
+        self._max_age = max_age
+        self._clock = clock
+
+    def _holder(self, *, keep: bool = True) -> _Kept:
+        return _Kept(self._max_age, self._clock, keep=keep)
 
     def probe(self, endpoint: Endpoint, timeout: float,
               readyz: ReadyzSettings | None = None) -> ProbeResult:
@@ -150,13 +180,15 @@ class ProbeConnections:
             return _probe(endpoint, timeout, None, None)
         addr = str(endpoint)
         with self._lock:
-            kept = None if self._closed else self._held.setdefault(addr, _Kept())
+            kept = None if self._closed else self._held.get(addr)
+            if kept is None and not self._closed:
+                kept = self._held[addr] = self._holder()
         if kept is not None and kept.checkout():
             try:
                 return _probe(endpoint, timeout, readyz, kept)
             finally:
                 kept.checkin()
-        once = _Kept(keep=False)  # busy or shut down: a connection of its own
+        once = self._holder(keep=False)  # busy or shut down: a connection of its own
         try:
             return _probe(endpoint, timeout, readyz, once)
         finally:
@@ -192,12 +224,16 @@ class _Kept:
     while a probe uses it, so :meth:`retire` never closes it under that probe, and the
     probe closes it when it hands it back to a retired holder."""
 
-    def __init__(self, *, keep: bool = True) -> None:
+    def __init__(self, max_age: float, clock: Callable[[], float], *,
+                 keep: bool = True) -> None:
         self._mu = threading.Lock()
         self._busy = False
         self._retired = not keep
         self._tls: ssl.SSLSocket | None = None
         self._key = b""
+        self._born = 0.0  # the clock at the kept connection's handshake
+        self.max_age = max_age
+        self.clock = clock
         self.opened = 0  # written by the probe holding it, read by the metrics
 
     def checkout(self) -> bool:
@@ -215,23 +251,34 @@ class _Kept:
         with self._mu:
             self.opened += n
 
-    def take(self, key: bytes) -> ssl.SSLSocket | None:
-        """The kept connection if it was opened with the credential files whose digest
-        is ``key`` and looks alive; otherwise None (a stale one is closed)."""
+    def take(self, key: bytes, peer: tuple[str, int]) -> tuple[ssl.SSLSocket, float] | None:
+        """The kept connection and the clock at its handshake, if it was opened with the
+        credential files whose digest is ``key``, goes to ``peer`` (where the TCP check
+        just connected: the name's address now), is younger than ``max_age`` and looks
+        alive; otherwise None (a stale one is closed)."""
         with self._mu:
             tls, self._tls = self._tls, None
-            same = self._key == key
+            same, born = self._key == key, self._born
         if tls is None:
             return None
-        if same and _idle_and_open(tls):
-            return tls
+        if not same:
+            why = "credentials changed"
+        elif self.clock() - born >= self.max_age:
+            why = "max age"
+        elif _peer(tls) != peer:
+            why = "address changed"
+        elif not _idle_and_open(tls):
+            why = "closed by the server"
+        else:
+            return tls, born
+        log.debug("readyz probe: a new connection replaces the kept one reason=%r", why)
         tls.close()
         return None
 
-    def put(self, tls: ssl.SSLSocket, key: bytes) -> None:
+    def put(self, tls: ssl.SSLSocket, key: bytes, born: float) -> None:
         with self._mu:
             if not self._retired:
-                self._tls, self._key = tls, key
+                self._tls, self._key, self._born = tls, key, born
                 return
         tls.close()
 
@@ -247,6 +294,15 @@ class _Kept:
             tls, self._tls = self._tls, None
         if tls is not None:
             tls.close()
+
+
+def _peer(sock: socket.socket) -> tuple[str, int] | None:
+    """(address, port) at the other end (an IPv6 name's flow and scope left out)."""
+    try:
+        host, port = sock.getpeername()[:2]
+    except (OSError, ValueError):
+        return None
+    return host, port
 
 
 def _idle_and_open(tls: ssl.SSLSocket) -> bool:
@@ -532,7 +588,9 @@ def _readyz_kept(endpoint: Endpoint, sock: socket.socket, settings: ReadyzSettin
     """GET /readyz on the upstream's kept connection (or a new one, then kept).
 
     ``sock`` is the TCP check's connection: closed unused when a kept connection is
-    there, the new TLS connection's socket otherwise. A kept connection that turns out
+    there, the new TLS connection's socket otherwise. A kept connection is used only
+    while it goes where ``sock`` went (a host name that resolves elsewhere now gets a new
+    connection there) and is younger than the holder's max age. A kept connection that turns out
     closed by the server before any byte of the answer (an API server closing idle
     connections, which is no failure) is replaced by a new one once, within the same
     deadline; one that does not answer in time fails the probe and is closed, so the next
@@ -549,7 +607,9 @@ def _readyz_kept(endpoint: Endpoint, sock: socket.socket, settings: ReadyzSettin
     payload = _request(settings, token, keep_alive=True)
     del token
     _check_server_name(settings)
-    tls = kept.take(key)
+    peer = _peer(sock)
+    taken = kept.take(key, peer) if peer is not None else None
+    tls, born = taken if taken is not None else (None, 0.0)
     if tls is not None:
         sock.close()  # the TCP check was a connect of its own
     ctx: ssl.SSLContext | None = None
@@ -563,6 +623,7 @@ def _readyz_kept(endpoint: Endpoint, sock: socket.socket, settings: ReadyzSettin
                     if sock.fileno() < 0:  # closed for a kept one that turned out dead
                         sock = _connect(endpoint, deadline)
                     kept.add_opened(1)  # the server's cost: counted, handshake or not
+                    born = kept.clock()
                     tls = _handshake(ctx, sock, settings, deadline)
                 try:
                     response = _exchange(tls, payload, deadline, reused=reused)
@@ -572,7 +633,7 @@ def _readyz_kept(endpoint: Endpoint, sock: socket.socket, settings: ReadyzSettin
                     continue
                 break
         if response.reusable:
-            kept.put(tls, key)
+            kept.put(tls, key, born)
             tls = None
     finally:
         if tls is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from extractedprism.config.endpoints import Endpoint, is_valid_host, parse_endpoint_list
+from extractedprism.errors import one_line
 
 # --- text -> value: durations and booleans ------------------------------------
 
@@ -138,6 +139,12 @@ def _to_endpoints(flag: Flag, value: str) -> tuple[Endpoint, ...]:
 
 
 def _to_path(flag: Flag, value: str) -> str:
+    # A NUL byte ends a path for the kernel: no file has such a name, and os.stat() and
+    # open() raise ValueError instead of an OSError that would name the file. A command
+    # line or the environment cannot carry one (execve's strings end at it), but a
+    # configuration built in-process can.
+    if "\0" in value:
+        raise ValueError("the path contains a NUL byte")
     # A path of spaces is as unset as an empty one (a template's blank value, say).
     return value if value.strip() else ""
 
@@ -213,4 +220,4 @@ def show_value(flag: Flag, raw: str, name: str = "") -> str:
     """How a message names a setting: ``--flag (value)``, or ``--flag`` for a blank one;
     ``name`` instead of the option when the value came from elsewhere (``EP_FLAG``)."""
     name = name or flag.option
-    return f"{name} ({raw})" if raw.strip() else name
+    return f"{name} ({one_line(raw)})" if raw.strip() else name

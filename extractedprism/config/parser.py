@@ -30,6 +30,7 @@ from extractedprism.config.table import (
     SPEC_FLAGS,
     Config,
     ConfigError,
+    cautions,
     unused_settings,
     validate,
 )
@@ -235,7 +236,8 @@ def unknown_arguments(extras: Sequence[str], options: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class Parsed:
-    """A validated configuration, and the settings it was given that it never reads."""
+    """A validated configuration, and its warnings: the settings it was given that it
+    never reads, and combinations that do not do what their flags say (CAUTIONS)."""
 
     config: Config
     warnings: list[str]
@@ -258,7 +260,7 @@ def _start_problems(values: Mapping[str, str | None], names: Mapping[str, str]) 
         discovery = parse_bool(values.get("enable_discovery") or "true")
     except ValueError:
         return []  # reported by validate()
-    if not path.strip() or not discovery:
+    if not path.strip() or not discovery or "\0" in path:  # a NUL: validate() said so
         return []
     try:
         # O_NONBLOCK: a FIFO given by mistake must not hang the start.
@@ -310,7 +312,8 @@ def parse(argv: Sequence[str], subcommands: Sequence[str] = (),
     problems += _start_problems(values, names)
     if problems or config is None:
         raise ConfigError(_env_hints(problems, env))
-    return Parsed(config, unused_settings(values, config, names))
+    return Parsed(config, unused_settings(values, config, names)
+                  + cautions(values, config, names))
 
 
 def parse_config(argv: Sequence[str], subcommands: Sequence[str] = ()) -> Config:

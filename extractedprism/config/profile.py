@@ -50,6 +50,9 @@ PRODUCTION: tuple[Setting, ...] = (
     Setting("health-timeout", "1s",
             "a probe (and a client dial) within a region answers in milliseconds; a hung "
             "one fails fast"),
+    Setting("answer-hedge-delay", "500ms",
+            "half the timeout: a ClientHello unanswered that long goes to a second API "
+            "server too, and the two race"),
     Setting("health-recheck", "1s",
             "the check confirming a first failure runs 1 s after it, not a whole interval"),
     Setting("unready-drain-timeout", "1s",

@@ -618,3 +618,46 @@ def unused_settings(values: Mapping[str, str | None], config: Any,
             continue
         out.append(f"{show_value(flag, raw, names.get(dest, ''))} has no effect: {why}")
     return out
+
+
+# --- combinations that run but do not do what their flags say ----------------------
+
+
+def _hedge_below_timeout(v: Mapping[str, Any], show: Callable[[str], str]) -> str | None:
+    # datapath/first_answer.py: an attempt silent for --health-timeout since it got the
+    # ClientHello is dropped and charged as silent as soon as another attempt runs; the
+    # hedge's dial starts --answer-hedge-delay after the ClientHello. Not below the
+    # timeout, the first attempt is given up the moment the hedge fires: the two never
+    # race (a first upstream answering just after the delay cannot carry the client), and
+    # when the hedge's dial then fails the client is left with no upstream at all.
+    hedge, timeout = v["answer_hedge_delay"], v["health_timeout"]
+    if hedge > 0 and hedge >= timeout:
+        return (f"{show('answer_hedge_delay')} is not below {show('health_timeout')}: the "
+                "first attempt is given up, and charged as silent, the moment the hedge "
+                "fires, so the two never race; set it below --health-timeout (the "
+                "production profile: half of it), or 0 for no hedge")
+    return None
+
+
+# Each one warning at start (the value stands: it is not invalid, only not what its flags
+# promise).
+CAUTIONS: tuple[Rule, ...] = (
+    Rule(("answer_hedge_delay", "health_timeout"),
+         "--answer-hedge-delay, when not 0, is below --health-timeout", _hedge_below_timeout),
+)
+
+
+def cautions(values: Mapping[str, str | None], config: Any,
+             names: Mapping[str, str] | None = None) -> list[str]:
+    """One line per :data:`CAUTIONS` rule the configuration breaks."""
+    names = names or {}
+
+    def show(dest: str) -> str:
+        flag = FLAG_BY_NAME[dest.replace("_", "-")]
+        raw = values.get(dest)
+        raw = raw if raw is not None and raw.strip() else (flag.default or "")
+        return show_value(flag, raw, names.get(dest, ""))
+
+    converted = {f: getattr(config, f) for rule in CAUTIONS for f in rule.fields}
+    return [problem for rule in CAUTIONS
+            if (problem := rule.message(converted, show)) is not None]

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from extractedprism.errors import Error
+from extractedprism.errors import Error, one_line
 from extractedprism.files import FileProblem, Reads, Reloaded, bearer_token
 
 T = TypeVar("T")
@@ -261,6 +261,8 @@ def _target(doc: dict[str, Any], path: str, reads: Reads) -> Target:
             return ""
         if not isinstance(value, str):
             raise KubeconfigError(f"{where}: {key} is not a path")
+        if "\0" in value:  # no file is ever named so: the kubeconfig is wrong, not late
+            raise KubeconfigError(f"{where}: {key} ({one_line(value)}) contains a NUL byte")
         return value if os.path.isabs(value) else os.path.join(base, value)
 
     def data(section: dict[str, Any], key: str) -> bytes | None:

@@ -44,7 +44,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from extractedprism.errors import Error
-from extractedprism.ops.unixsock import listen_private, unlink_if_same
+from extractedprism.ops.unixsock import (
+    UnixSocketError,
+    listen_aside,
+    listen_private,
+    put_in_place,
+    unlink_if_same,
+)
 from extractedprism.threads import join_until, start_daemon
 
 log = logging.getLogger(__name__)
@@ -108,6 +114,7 @@ class AdminServer:
         self._listing = listing
         self._sock: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
+        self._aside: str | None = None  # a successor's socket, until take_path()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -119,10 +126,34 @@ class AdminServer:
         ``take_over``: this instance took its listeners from a predecessor in a
         handover, so a live socket at the path is that predecessor's and is replaced
         (renamed over: the predecessor's own socket stays open, and at its stop it
-        leaves the path, no longer its file, alone)."""
+        leaves the path, no longer its file, alone). Not here, though: the socket waits
+        beside the path until :meth:`take_path`, which the caller calls once its start
+        can no longer fail; a successor that fails before leaves the predecessor, which
+        serves on, its admin socket."""
         where = f"--admin-socket {self.path}"
         self._clear_stale(where, take_over=take_over)
-        self._sock, self._inode = listen_private(self.path, "--admin-socket", 16)
+        if take_over:
+            self._sock, self._inode, self._aside = listen_aside(self.path, "--admin-socket",
+                                                                16)
+        else:
+            self._sock, self._inode = listen_private(self.path, "--admin-socket", 16)
+
+    def take_path(self) -> None:
+        """A successor's start is past its last failure: its socket goes to the path now,
+        renamed over the predecessor's. Should that fail, this instance runs on without
+        an admin socket at the path (the predecessor's, if any, stays there)."""
+        aside, self._aside = self._aside, None
+        if aside is None:
+            return
+        try:
+            put_in_place(aside, self.path, "--admin-socket")
+        except UnixSocketError as exc:
+            # Its file is gone (put_in_place removed it): nobody can reach it; stop()
+            # closes it with the rest.
+            log.warning("admin socket not taken over; this instance answers on none "
+                        "path=%s reason=%r", self.path, str(exc))
+            return
+        log.info("taking over the admin socket from the predecessor path=%s", self.path)
 
     def _clear_stale(self, where: str, *, take_over: bool = False) -> None:
         """A socket left by a process that died is removed; a live one is replaced only
@@ -144,8 +175,7 @@ class AdminServer:
         finally:
             probe.close()
         if take_over:
-            log.info("taking over the admin socket from the predecessor path=%s", self.path)
-            return  # listen_private renames the new socket over it
+            return  # take_path() renames the new socket over it
         raise AdminSocketError(f"cannot create {where}: another process is serving on it")
 
     def start(self) -> None:
@@ -174,7 +204,8 @@ class AdminServer:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
-            unlink_if_same(self.path, self._inode)
+            # Still aside (the start failed before take_path): the temporary file goes.
+            unlink_if_same(self._aside or self.path, self._inode)
         return ok
 
     # -- the admin-socket thread -----------------------------------------------------

@@ -31,6 +31,20 @@ def listen_private(path: str, flag: str, backlog: int) -> tuple[socket.socket, t
     file (to tell later whether the path is still this socket). Whatever is at ``path``
     is replaced: the caller decides beforehand whether it may be. Raises
     UnixSocketError naming ``flag`` and the path."""
+    sock, ident, tmp = listen_aside(path, flag, backlog)
+    try:
+        put_in_place(tmp, path, flag)
+    except UnixSocketError:
+        sock.close()
+        raise
+    return sock, ident
+
+
+def listen_aside(path: str, flag: str, backlog: int
+                 ) -> tuple[socket.socket, tuple[int, int], str]:
+    """Like :func:`listen_private`, but left under its temporary name beside ``path``
+    (returned third) until :func:`put_in_place` moves it there: for a caller that may
+    replace what is at ``path`` only once nothing can fail any more."""
     where = f"{flag} {path}"
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
@@ -46,16 +60,31 @@ def listen_private(path: str, flag: str, backlog: int) -> tuple[socket.socket, t
         os.chmod(tmp, 0o600)
         sock.listen(backlog)
         st = os.lstat(tmp)
-        os.rename(tmp, path)
     except OSError as exc:
         sock.close()
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink_quietly(tmp)
         raise UnixSocketError(exc.errno, f"cannot create {where}: {exc.strerror or exc}"
                               ) from exc
-    return sock, (st.st_dev, st.st_ino)
+    return sock, (st.st_dev, st.st_ino), tmp
+
+
+def put_in_place(tmp: str, path: str, flag: str) -> None:
+    """Rename the socket :func:`listen_aside` made at ``tmp`` to ``path``, replacing
+    what is there in one step; on failure ``tmp`` is removed and UnixSocketError says
+    why (the socket itself is the caller's to close)."""
+    try:
+        os.rename(tmp, path)
+    except OSError as exc:
+        _unlink_quietly(tmp)
+        raise UnixSocketError(exc.errno, f"cannot create {flag} {path}: "
+                              f"{exc.strerror or exc}") from exc
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def unlink_if_same(path: str, ident: tuple[int, int] | None) -> None:

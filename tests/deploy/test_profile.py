@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from extractedprism.config import profile
-from extractedprism.config.table import FLAG_BY_NAME, FLAGS, Config, validate
+from extractedprism.config.table import FLAG_BY_NAME, FLAGS, Config, cautions, validate
 from extractedprism.ops.profile import env_file
 from tests.deploy.helpers import (
     CHART_DIR,
@@ -78,7 +78,19 @@ def test_the_profile_names_real_flags_once_each_with_a_reason() -> None:
     # (overload-guard: the survivors' slow answers).
     assert set(names) == {"health-check", "health-interval", "health-timeout", "health-recheck",
                           "unready-drain-timeout", "overload-guard", "stall-timeout",
-                          "upstream-selection", "rebalance-interval", "slow-start"}
+                          "upstream-selection", "rebalance-interval", "slow-start",
+                          "answer-hedge-delay"}
+
+
+def test_the_profile_is_a_combination_the_program_does_not_warn_about() -> None:
+    # Issue 37, finding 13: with --health-timeout 1s the default --answer-hedge-delay (1s)
+    # is no hedge: the first attempt is given up the moment it fires (config/table.py,
+    # CAUTIONS). The profile sets it below the timeout, and no caution holds for it.
+    values = {"endpoints": ",".join(ENDPOINTS), "health_check_ca_file": CA,
+              **{FLAG_BY_NAME[k].dest: v for k, v in profile.flags().items()}}
+    config = validate(values)
+    assert 0 < config.answer_hedge_delay < config.health_timeout
+    assert cautions(values, config) == []
 
 
 def test_the_programs_own_defaults_stay_the_specs() -> None:

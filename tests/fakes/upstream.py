@@ -361,16 +361,23 @@ class FakeUpstream(_Server):
         self.readyz_framing = "length"
         self.drop_after: int | None = None
         self._ctx: ssl.SSLContext | None = None
+        self._server_names = server_names
+        self._client_ca = client_ca
+        self._require_client_cert = require_client_cert
+        if require_client_cert and client_ca is None:
+            raise ValueError("require_client_cert needs client_ca")
         if tls:
             assert self.ca is not None
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            self.ca.issue_cert(*server_names, common_name=name).configure_cert(ctx)
-            if client_ca is not None:
-                client_ca.configure_trust(ctx)
-                ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
-            elif require_client_cert:
-                raise ValueError("require_client_cert needs client_ca")
-            self._ctx = ctx
+            self._ctx = self._context(self.ca)
+
+    def _context(self, ca: trustme.CA) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ca.issue_cert(*self._server_names, common_name=self.name).configure_cert(ctx)
+        if self._client_ca is not None:
+            self._client_ca.configure_trust(ctx)
+            ctx.verify_mode = (ssl.CERT_REQUIRED if self._require_client_cert
+                               else ssl.CERT_OPTIONAL)
+        return ctx
 
     # --- controls -----------------------------------------------------------
 
@@ -389,6 +396,13 @@ class FakeUpstream(_Server):
     def set_drop_after(self, n: int | None) -> None:
         """Close each connection without an answer when request ``n + 1`` arrives on it."""
         self.drop_after = n
+
+    def set_serving_ca(self, ca: trustme.CA) -> None:
+        """Serve a certificate ``ca`` signs (same names) on the connections accepted from
+        now on; those already open keep the one they were made with."""
+        if self._ctx is None:
+            raise ValueError("not a TLS upstream")
+        self._ctx = self._context(ca)
 
     def set_ready_hang(self, hang: bool) -> None:
         """While True, ``/readyz`` reads the request and never answers; stop() ends such

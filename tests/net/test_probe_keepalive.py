@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 import trustme
 
+from extractedprism.checks import probes
 from extractedprism.checks.probes import ProbeConnections, ReadyzSettings, probe
+from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams.state import ProbeResult
 from tests.fakes.upstream import FakeUpstream
 from tests.util import wait_until
@@ -22,6 +25,7 @@ SERVER_NAME = "kubernetes.default.svc"
 TIMEOUT = 1.0  # --health-timeout of these probes
 SLACK = 0.5  # scheduling noise allowed past a deadline
 N = 8
+LONG = 3600.0  # a kept connection's max age no test reaches
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +45,7 @@ def up(ca: trustme.CA) -> Iterator[FakeUpstream]:
 
 @pytest.fixture
 def conns() -> Iterator[ProbeConnections]:
-    pc = ProbeConnections()
+    pc = ProbeConnections(max_age=LONG)
     yield pc
     pc.close()
 
@@ -313,3 +317,131 @@ def test_a_failed_tcp_check_drops_the_kept_connection(ca: trustme.CA, ca_file: s
         r = conns.probe(up.endpoint, TIMEOUT, rz)
         assert not r.ok and r.reason == "connection refused"
         wait_until(lambda: up.active_connections() == 0, 5)
+
+
+# --- a kept connection judges what a new one would get (issue 37, finding 4) ---------
+
+
+def test_a_kept_connection_is_replaced_at_its_max_age(up: FakeUpstream, ca_file: str) -> None:
+    now = [100.0]
+    pc = ProbeConnections(max_age=60.0, clock=lambda: now[0])
+    rz = settings(ca_file)
+    try:
+        for _ in range(12):  # ages 0, 5, ..., 55 s: every one on the first connection
+            assert ready(pc.probe(up.endpoint, TIMEOUT, rz))
+            now[0] += 5.0
+        assert up.handshakes == 1
+        assert ready(pc.probe(up.endpoint, TIMEOUT, rz))  # 60 s old: a new one
+        assert up.handshakes == 2
+        now[0] += 55.0
+        assert ready(pc.probe(up.endpoint, TIMEOUT, rz))  # the new one counts from its own
+        assert up.handshakes == 2
+        assert pc.opened() == {up.address: 2}
+    finally:
+        pc.close()
+
+
+def test_a_server_whose_certificate_a_new_connection_rejects_goes_unready_within_the_max_age(
+        ca: trustme.CA, ca_file: str) -> None:
+    # The serving certificate is swapped for one another CA signs (a botched rotation):
+    # every new client connection fails its handshake, so the probe must too, within the
+    # max age of the connection it kept while the old certificate was served.
+    max_age, every = 1.5, 0.1
+    pc = ProbeConnections(max_age=max_age)
+    rz = settings(ca_file)
+    try:
+        with FakeUpstream(ca=ca, name="rotating") as up:
+            assert ready(pc.probe(up.endpoint, TIMEOUT, rz))
+            up.set_serving_ca(trustme.CA())
+            swapped = time.monotonic()
+            results: list[ProbeResult] = []
+
+            def unready() -> bool:
+                results.append(pc.probe(up.endpoint, TIMEOUT, rz))
+                time.sleep(every)  # the probe interval of this test
+                return results[-1].ready is False
+
+            wait_until(unready, max_age + every + TIMEOUT + 5)
+            took = time.monotonic() - swapped
+            assert took <= max_age + every + TIMEOUT + SLACK, took
+            assert results[-1].ok  # the TCP check passes: only readiness fails
+            assert results[-1].ready_reason.startswith("TLS verify failed"), results[-1]
+            assert len(results) > 1  # the kept connection was used before the max age
+            assert up.handshakes == 1  # the rejected handshake never completed
+    finally:
+        pc.close()
+
+
+@pytest.fixture
+def moving_name(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """A host name this test resolves (through the resolver call the probe makes, the
+    rest of the process's names untouched): ``where["to"]`` is its address."""
+    real = socket.getaddrinfo
+    where = {"name": "apiserver.moving.test", "to": "127.0.0.1"}
+
+    def getaddrinfo(host: object, *args: object, **kw: object) -> object:
+        if host == where["name"]:
+            host = where["to"]
+            kw["flags"] = socket.AI_NUMERICHOST
+        return real(host, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(probes.socket, "getaddrinfo", getaddrinfo)
+    return where
+
+
+def _two_on_one_port(ca: trustme.CA) -> tuple[FakeUpstream, FakeUpstream]:
+    """Two TLS upstreams, on 127.0.0.1 and 127.0.0.2, on one port."""
+    for _ in range(20):
+        a = FakeUpstream(ca=ca, name="old-home").start()
+        try:
+            b = FakeUpstream(host="127.0.0.2", port=a.port, ca=ca, name="new-home").start()
+        except OSError:
+            a.stop()
+            continue
+        return a, b
+    raise AssertionError("no port free on both 127.0.0.1 and 127.0.0.2")
+
+
+def test_a_host_name_endpoint_that_resolves_elsewhere_is_followed(
+        ca: trustme.CA, ca_file: str, moving_name: dict[str, str]) -> None:
+    pc = ProbeConnections(max_age=LONG)
+    rz = settings(ca_file)
+    old, new = _two_on_one_port(ca)
+    try:
+        ep = Endpoint(moving_name["name"], old.port)
+        assert ready(pc.probe(ep, TIMEOUT, rz)) and ready(pc.probe(ep, TIMEOUT, rz))
+        assert old.handshakes == 1 and old.hit_count("/readyz") == 2
+        new.set_ready_status(500)  # the server the name moved to is not ready
+        moving_name["to"] = "127.0.0.2"
+        r = pc.probe(ep, TIMEOUT, rz)
+        assert r.ok and r.ready is False and r.ready_reason == "HTTP 500"
+        assert new.hit_count("/readyz") == 1 and old.hit_count("/readyz") == 2
+        wait_until(lambda: old.active_connections() == 0, 5)  # the old one is closed
+        new.set_ready_status(200)
+        assert ready(pc.probe(ep, TIMEOUT, rz))
+        assert new.handshakes == 1  # kept again, at its new home
+    finally:
+        pc.close()
+        old.stop()
+        new.stop()
+
+
+def test_the_proxy_finds_a_rejected_certificate_within_the_max_age(
+        make_app, ca: trustme.CA, ca_file: str) -> None:  # type: ignore[no-untyped-def]
+    # End to end: the ticker's kept connections, with the max age the proxy derives from
+    # --health-interval, on a real TLS upstream whose certificate a new connection rejects.
+    interval, timeout = 0.2, 0.5
+    max_age = probes.kept_max_age(interval)
+    with FakeUpstream(ca=ca, name="rot-a") as a, FakeUpstream(ca=ca, name="rot-b") as b:
+        app = make_app([a.endpoint, b.endpoint], health_check="readyz",
+                       health_check_ca_file=ca_file, health_check_server_name=SERVER_NAME,
+                       health_interval=interval, health_timeout=timeout)
+        wait_until(lambda: all(u.ready for u in app.registry.snapshot().upstreams), 10)
+        a.set_serving_ca(trustme.CA())
+        swapped = time.monotonic()
+        wait_until(lambda: app.registry.snapshot().get(a.address).ready is False,
+                   max_age + interval + timeout + 10)
+        took = time.monotonic() - swapped
+        assert took <= max_age + interval + timeout + 2 * SLACK, took
+        assert app.registry.snapshot().get(b.address).ready is True
+        assert b.hit_count("/readyz") > 2 * b.handshakes  # b's connection is still kept

@@ -814,3 +814,21 @@ def test_token_reasons_never_contain_the_token(up: FakeUpstream, ca_file: str,
         token.write_text(content)
         r = probe(up.endpoint, 2.0, settings(ca_file, token_file=str(token)))
         assert r.ready is False and secret not in r.ready_reason
+
+
+# --- issue 37, finding 10: a file named with a NUL byte ------------------------------
+
+
+@pytest.mark.parametrize(("field", "what"), [("ca_file", "CA file"),
+                                             ("token_file", "token file")])
+def test_a_credential_path_with_a_nul_byte_fails_the_probe_naming_it(
+        up: FakeUpstream, ca_file: str, field: str, what: str) -> None:
+    # Not "unexpected error: ValueError: embedded null byte" with a traceback logged: the
+    # one reason every other unusable file gets, naming the file.
+    bad = "/etc/kube\0rnetes/x"
+    rz = settings(bad if field == "ca_file" else ca_file,
+                  **({} if field == "ca_file" else {field: bad}))
+    r = probe(up.endpoint, 2.0, rz)
+    assert r.ok and r.ready is False
+    assert r.ready_reason == f"{what} unusable: /etc/kube\\x00rnetes/x: the path contains a " \
+                             "NUL byte"

@@ -65,7 +65,8 @@ def start_proxy(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
         return subprocess.Popen(
             [PYTHON, "-m", "extractedprism", "--bind-port", str(bind),
              "--health-port", str(health), "--health-interval", "2s",
-             "--health-timeout", "1s", "--liveness-interval", "1s",
+             "--health-timeout", "1s", "--answer-hedge-delay", "500ms",
+             "--liveness-interval", "1s",
              "--liveness-threshold", "5s", *args],
             env=full_env, cwd=ROOT, stderr=out, stdout=subprocess.DEVNULL)
 

@@ -27,7 +27,7 @@ from tests.process.lifecycle import (
     proxy_args,
     start_first,
 )
-from tests.util import http, run_cli, start_on_free_ports, wait_until
+from tests.util import PYTHON, ROOT, http, run_cli, start_on_free_ports, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,6 +155,83 @@ def test_handover_with_one_admin_socket_path_moves_the_path_to_the_successor(
         old.reap()
         if new is not None:
             new.reap()
+
+
+@pytest.fixture
+def two_thread_cgroup():
+    """A pids cgroup that holds two tasks: a process started in it runs its main thread
+    and its log writer (logs/setup.py) and can start no other thread (thread creation
+    fails with EAGAIN, as under a pod's pids limit). Skipped where no pids cgroup can be
+    made (not root, no pids controller)."""
+    made = None
+    for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
+        path = os.path.join(root, f"ep-test-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        if os.path.exists(os.path.join(path, "pids.max")):
+            made = path
+            break
+        os.rmdir(path)
+    if made is None:
+        pytest.skip("no pids cgroup can be made here (needs root and the pids controller)")
+    with open(os.path.join(made, "pids.max"), "w") as fh:
+        fh.write("2")
+    yield made
+    deadline = time.monotonic() + 10
+    while True:  # empty once its process is reaped
+        try:
+            os.rmdir(made)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_successor_whose_start_fails_leaves_the_predecessor_its_admin_socket(
+        upstream, tmp_path: Path, two_thread_cgroup: str):
+    # Issue 37, finding 9: the successor's start fails after it bound its admin socket
+    # and took the listeners (its first thread cannot start), before the point of no
+    # return. The predecessor serves on, and must still answer at the admin path.
+    sock_path, admin_path = str(tmp_path / "handover.sock"), str(tmp_path / "admin.sock")
+    extra = ("--handover-socket", sock_path, "--admin-socket", admin_path)
+    old, bind, health = start_first(upstream.address, *extra)
+    try:
+        wait_until(lambda: os.path.exists(sock_path), 10, message="the old one offers")
+        wait_until(lambda: os.path.exists(admin_path), 10, message="the old admin socket")
+        before = admin.request(admin_path, {"command": "list"})
+        assert before["code"] == 0
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EP_")}
+        log_path = tmp_path / "successor.stderr"
+        with open(log_path, "w") as err:
+            new = subprocess.Popen(
+                ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', two_thread_cgroup,
+                 PYTHON, "-m", "extractedprism",
+                 *proxy_args(bind, health, upstream.address, *extra)],
+                env=env, cwd=ROOT, stderr=err, stdout=subprocess.DEVNULL)
+            try:
+                code = new.wait(60)
+            finally:
+                if new.poll() is None:
+                    new.kill()
+                    new.wait()
+        log = log_path.read_text()
+        assert code != 0, log
+        # Failed where this test means it to: in _start_threads, after the admin socket
+        # was made, before the start's point of no return.
+        assert "can't start new thread" in log and "_start_threads" in log, log
+        assert "took over listeners" not in log, log
+        # The predecessor lives on, accepting and answering at its admin path.
+        assert old.popen.poll() is None
+        assert healthz_ok(health)
+        assert admin.request(admin_path, {"command": "list"})["code"] == 0
+        with socket.create_connection(("127.0.0.1", bind), timeout=5) as c:
+            assert c.recv(3) == GREETING
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".admin.sock")]
+    finally:
+        old.reap()
 
 
 def test_stale_handover_socket_is_removed_and_the_start_is_normal(upstream, tmp_path: Path):

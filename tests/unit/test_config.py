@@ -260,3 +260,67 @@ def test_answer_hedge_delay_is_bounded():
     for bad in ("61s", "700h"):
         assert problems(answer_hedge_delay=bad) == [
             f"--answer-hedge-delay ({bad}) must be between 0 (off) and 60s"]
+
+
+# --- issue 37, finding 10: a path with a NUL byte -------------------------------------
+
+PATH_FLAGS = [f for f in FLAGS if f.kind == "path"]
+
+
+@pytest.mark.parametrize("flag", PATH_FLAGS, ids=[f.name for f in PATH_FLAGS])
+def test_a_path_with_a_nul_byte_is_one_problem_naming_the_flag(flag):
+    # Kubeconfig, CA, certificate, key and token files, the state file, the unix sockets:
+    # no file is named so, and os.stat() would raise ValueError, naming nothing.
+    found = problems(**{flag.dest: "/etc/kube\0config"})
+    assert found == [f"{flag.option} (/etc/kube\\x00config) is invalid: the path contains "
+                     "a NUL byte"], found
+
+
+def test_a_nul_in_an_ep_variable_is_named_by_the_variable():
+    # The environment of a real process cannot carry a NUL (execve's strings end at it);
+    # a configuration parsed in-process can, and gets the same one line, not a traceback.
+    from extractedprism.config.parser import parse
+
+    with pytest.raises(ConfigError) as err:
+        parse(["--endpoints", "10.0.0.1:6443"],
+              environ={"EP_KUBECONFIG": "/etc/k\0c", "EP_STATE_FILE": "/var/s\0f"})
+    assert err.value.problems == [
+        "EP_KUBECONFIG (/etc/k\\x00c) is invalid: the path contains a NUL byte",
+        "EP_STATE_FILE (/var/s\\x00f) is invalid: the path contains a NUL byte"]
+
+
+# --- issue 37, finding 13: --answer-hedge-delay against --health-timeout ----------------
+
+
+def _warnings(*argv: str) -> list[str]:
+    from extractedprism.config.parser import parse
+
+    return parse(["--endpoints", "10.0.0.1:6443", *argv], environ={}).warnings
+
+
+def test_a_hedge_delay_not_below_the_health_timeout_is_warned_about():
+    # datapath/first_answer.py gives an attempt up once it was silent for --health-timeout
+    # while another runs: at or past it, the hedge replaces the first attempt instead of
+    # racing it. The default delay (1s) with a 1 s timeout is such a case.
+    for hedge, argv in (("1s", ["--health-timeout", "1s"]),
+                        ("2s", ["--health-timeout", "1s", "--answer-hedge-delay", "2s"])):
+        found = [w for w in _warnings(*argv) if "--answer-hedge-delay" in w]
+        assert len(found) == 1, (argv, found)
+        assert found[0].startswith(f"--answer-hedge-delay ({hedge}) is not below "
+                                   "--health-timeout (1s): the first attempt is given up"), found
+
+
+def test_a_hedge_delay_below_the_timeout_or_off_is_not_warned_about():
+    for argv in ([], ["--health-timeout", "1s", "--answer-hedge-delay", "500ms"],
+                 ["--health-timeout", "1s", "--answer-hedge-delay", "0"]):
+        assert not [w for w in _warnings(*argv) if "--answer-hedge-delay" in w], argv
+
+
+def test_the_warning_names_the_ep_variables_that_set_them():
+    from extractedprism.config.parser import parse
+
+    warnings = parse(["--endpoints", "10.0.0.1:6443"],
+                     environ={"EP_HEALTH_TIMEOUT": "2s",
+                              "EP_ANSWER_HEDGE_DELAY": "2s"}).warnings
+    assert any(w.startswith("EP_ANSWER_HEDGE_DELAY (2s) is not below EP_HEALTH_TIMEOUT "
+                            "(2s)") for w in warnings), warnings

@@ -88,3 +88,12 @@ def test_one_bearer_token_rule_for_the_probe_and_discovery(raw: bytes, reason: s
 
 def test_a_bearer_token_is_trimmed_like_client_go() -> None:
     assert files.bearer_token(b"  abc.def-1\tx \n") == "abc.def-1\tx"
+
+
+def test_a_path_with_a_nul_byte_is_a_file_problem_naming_it() -> None:
+    # os.stat() raises ValueError (naming nothing) for it; every reader of files.py (the
+    # probe's credentials, discovery's kubeconfig and the files it names) gets the
+    # FileProblem it handles instead.
+    with pytest.raises(FileProblem) as exc:
+        Reads().read("/etc/a\0b", "client key")
+    assert str(exc.value) == "client key unusable: /etc/a\\x00b: the path contains a NUL byte"

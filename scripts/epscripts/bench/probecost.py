@@ -8,7 +8,11 @@ extractedprism's own probe code against both, with the node's client certificate
 * ``new``: :func:`extractedprism.checks.probes.probe`, readyz on a new TLS connection
   per probe (what every probe cost before issue 28);
 * ``kept``: :class:`~extractedprism.checks.probes.ProbeConnections`, a bare TCP connect
-  (the spec's check) and ``GET /readyz`` on a TLS connection kept alive (what ships);
+  (the spec's check) and ``GET /readyz`` on a TLS connection kept alive, replaced by a new
+  one (a full handshake) once it is ``kept_max_age(--interval)`` old (what ships); the
+  probes run back to back, so the connection's age is counted on a clock that moves one
+  ``--interval`` per probe, as the ticker's probes would;
+* ``forever``: the same with a connection kept for ever (what shipped before issue 37);
 * ``tcp``: the bare TCP connect and close alone.
 
 The API server's CPU comes from its own process accounting (``/proc/PID/stat`` utime +
@@ -38,7 +42,7 @@ from typing import Any
 
 from epscripts.controlplane.host import APISERVERS, NODE_NAME, SERVER_NAME
 from epscripts.controlplane.plane import ControlPlane
-from extractedprism.checks.probes import ProbeConnections, ReadyzSettings, probe
+from extractedprism.checks.probes import ProbeConnections, ReadyzSettings, kept_max_age, probe
 from extractedprism.config.endpoints import Endpoint
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -94,15 +98,23 @@ def serving_key_kind(cp: ControlPlane, api: str) -> str:
     return "RSA-2048" if RSA_OID in der else "ECDSA P-256" if EC_OID in der else "unknown"
 
 
-def run_probes(kind: str, ep: Endpoint, rz: ReadyzSettings, n: int) -> tuple[int, float]:
+def run_probes(kind: str, ep: Endpoint, rz: ReadyzSettings, n: int,
+               interval: float) -> tuple[int, float]:
     """``n`` probes of one kind; (failures, this process's CPU seconds)."""
-    kept = ProbeConnections()
+    now = [0.0]  # the kept connections' clock: one interval a probe
+
+    def clock() -> float:
+        return now[0]
+
+    kept = ProbeConnections(max_age=kept_max_age(interval) if kind == "kept" else float("inf"),
+                            clock=clock)
     fn: Callable[[], Any]
     if kind == "new":
         def fn() -> Any:
             return probe(ep, PROBE_TIMEOUT, rz)
-    elif kind == "kept":
+    elif kind in ("kept", "forever"):
         def fn() -> Any:
+            now[0] += interval
             return kept.probe(ep, PROBE_TIMEOUT, rz)
     else:
         def fn() -> Any:
@@ -120,15 +132,15 @@ def run_probes(kind: str, ep: Endpoint, rz: ReadyzSettings, n: int) -> tuple[int
 
 
 def measure(cp: ControlPlane, servers: dict[str, str], rz: ReadyzSettings, probes: int,
-            rounds: int, baseline: float) -> dict[str, Any]:
+            rounds: int, baseline: float, interval: float) -> dict[str, Any]:
     per_round = max(1, probes // rounds)
-    kinds = ["new", "kept", "tcp"]
+    kinds = ["new", "kept", "forever", "tcp"]
     acc: dict[str, dict[str, dict[str, float]]] = {
         api: {k: {"n": 0, "cpu": 0.0, "secs": 0.0, "failed": 0, "client_cpu": 0.0,
                   "etcd_cpu": 0.0}
               for k in kinds} for api in servers}
     for rnd in range(rounds):
-        order = kinds[rnd % 3:] + kinds[:rnd % 3]
+        order = kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]
         for api in servers:
             pid, etcd = cp.pid(api), cp.pid("etcd")
             assert pid is not None and etcd is not None, f"{api} or etcd is not running"
@@ -140,7 +152,7 @@ def measure(cp: ControlPlane, servers: dict[str, str], rz: ReadyzSettings, probe
             ep = Endpoint(cp.ip(api), 6443)
             for kind in order:
                 c0, e0, t0 = cpu_seconds(pid), cpu_seconds(etcd), time.monotonic()
-                failed, client_cpu = run_probes(kind, ep, rz, per_round)
+                failed, client_cpu = run_probes(kind, ep, rz, per_round, interval)
                 secs = time.monotonic() - t0
                 used = cpu_seconds(pid) - c0 - idle * secs
                 eused = cpu_seconds(etcd) - e0 - eidle * secs
@@ -160,7 +172,7 @@ def measure(cp: ControlPlane, servers: dict[str, str], rz: ReadyzSettings, probe
 
 def idle_reuse(cp: ControlPlane, api: str, rz: ReadyzSettings, gap: float) -> dict[str, Any]:
     """Does a kept connection survive ``gap`` seconds idle (the server's idle timeout)?"""
-    kept = ProbeConnections()
+    kept = ProbeConnections(max_age=float("inf"))
     ep = Endpoint(cp.ip(api), 6443)
     try:
         first = kept.probe(ep, PROBE_TIMEOUT, rz)
@@ -232,13 +244,13 @@ def report(acc: dict[str, Any], servers: dict[str, str], lease: dict[str, Any] |
     lines += ["", "API-server CPU (cores) per API server, every node probing it once per "
               "interval:", "",
               "| nodes | interval | probes/s | " + " | ".join(
-                  f"{servers[api]} {kind}" for api in acc for kind in ("new", "kept"))
-              + " |", "|---|---|---|" + "---|" * (2 * len(acc))]
+                  f"{servers[api]} {kind}" for api in acc for kind in ("new", "kept", "forever"))
+              + " |", "|---|---|---|" + "---|" * (3 * len(acc))]
     for nodes in NODES:
         for interval in INTERVALS:
             rate = nodes / interval
             cells = [f"{rate * acc[api][kind]['cpu'] / acc[api][kind]['n']:.2f}"
-                     for api in acc for kind in ("new", "kept")]
+                     for api in acc for kind in ("new", "kept", "forever")]
             lines.append(f"| {nodes} | {interval:g} s | {rate:g} | " + " | ".join(cells) + " |")
     if reuse:
         lines += ["", f"Two probes {reuse['gap']:g} s apart on one kept connection: "
@@ -262,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds to wait after the servers are ready")
     ap.add_argument("--idle-gap", type=float, default=21.0,
                     help="seconds between two probes on one kept connection (0: skip)")
+    ap.add_argument("--interval", type=float, default=5.0,
+                    help="the probe interval the kept connection's max age is counted in "
+                         "(the profile's 5 s)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     if not 1 <= args.probes <= 20000 or not 1 <= args.rounds <= 20:
@@ -279,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(args.settle)
         rz = ReadyzSettings(ca_file=cp.ca, server_name=SERVER_NAME,
                             cert_file=str(cp.pki / "node.crt"), key_file=str(cp.pki / "node.key"))
-        acc = measure(cp, servers, rz, args.probes, args.rounds, args.baseline)
+        acc = measure(cp, servers, rz, args.probes, args.rounds, args.baseline, args.interval)
         lease = lease_puts(cp, "api1", args.leases, args.baseline) if args.leases else None
         reuse = idle_reuse(cp, "api1", rz, args.idle_gap) if args.idle_gap else None
         if reuse:
