@@ -267,6 +267,13 @@ class Dialer:
             return False
         return None
 
+    def cancel_rivals(self, res: Reservation) -> None:
+        """Drop the dials ``res`` won against that are still in flight (uncounted): the
+        client is about to start another attempt, and never has more than two out."""
+        for rival in res.rivals:
+            self._reaper.cancel(rival)  # type: ignore[arg-type]
+        res.rivals = ()
+
     def abandon(self, d: Dial, poller: select.poll) -> None:
         """A dial from start() no longer needed: it runs on off the client's path (the
         reaper records its outcome)."""
@@ -435,6 +442,7 @@ class Dialer:
             assert other.sock is not None
             poller.unregister(other.sock.fileno())
             self._reaper.adopt(other)
+        d.res.rivals = tuple(losers)
         losers.clear()
         return d.sock, d.res
 

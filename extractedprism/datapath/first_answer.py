@@ -26,7 +26,11 @@ pickable upstream not yet tried, and whichever answers first carries the connect
   one client's wait over more servers and charge each a failure; a client-go client
   gives up on its TLS handshake after 10 s and reconnects anyway, through a fresh pick).
   With nothing to hedge to, or once only one attempt is left, the connection is relayed
-  to that one unanswered (the relay passes on whatever it later says).
+  to that one unanswered (the relay passes on whatever it later says). The drain race's
+  retry (proxy.Proxy._connect) is the ClientHello's second upstream, so it is never
+  hedged. And a client never has more than two attempts out at once: a dial its first
+  attempt won against (a hedged dial still running off the client's path, the Dialer's
+  reaper) is dropped, uncounted, before the hedge dials.
 * An answer is bytes. An upstream that closes or resets without a byte answered nothing:
   one failure toward its streak; it never carries the client, and if the hedge is still
   unused it starts at once. An upstream that has not got the whole ClientHello can never
@@ -98,16 +102,19 @@ class Leg:
     """One attempt for a client: an upstream socket, its reservation (held until attach),
     and the client's first bytes as this upstream has them."""
 
-    __slots__ = ("address", "first", "res", "sent", "since", "sock")
+    __slots__ = ("address", "first", "replay", "res", "sent", "since", "sock")
 
     def __init__(self, sock: socket.socket, res: Reservation, first: bytes | None = None,
-                 sent: int = 0) -> None:
+                 sent: int = 0, *, replay: bool = False) -> None:
         self.sock = sock
         self.res = res
         self.address = res.address  # a slot, not a property: read on every connection
         self.first = first  # the client's first bytes, once read (None: not yet)
         self.sent = sent  # how many of them this upstream has
         self.since = 0.0  # when it got all of them (the answer's deadlines count from it)
+        # The client's first bytes went to another upstream already (the drain race's
+        # retry): this is their second and last upstream, so it is never hedged.
+        self.replay = replay
 
     def close(self) -> None:
         self.sock.close()
@@ -373,6 +380,10 @@ class _Race:
         self.hedge_at = None
         if self.fired or len(self.legs) > 1:
             return
+        for leg in self.legs.values():
+            # A dial its first attempt won against may still run off the path: dropped
+            # first, so the client never has more than two attempts out (issue 37).
+            self.owner.dialer.cancel_rivals(leg.res)
         started = self.owner.dialer.start(self.tried, self.poller)
         if started is None:
             return  # nothing (left) to hedge to
@@ -490,8 +501,10 @@ class FirstAnswer:
     def judges(self, leg: Leg) -> bool:
         """Is ``leg``'s first answer worth waiting for? Not with the hedge off, not in panic
         mode or when nothing else was pickable (nothing to hedge to), and not for first
-        bytes already read that are no ClientHello (they may go nowhere else)."""
+        bytes already read that are no ClientHello (they may go nowhere else), and not
+        for a replay (its ClientHello has reached its second upstream: the last)."""
         return (self.hedge_delay > 0 and not leg.res.panic and not leg.res.alone
+                and not leg.replay
                 and (leg.first is None or is_client_hello(leg.first)))
 
     def can_hedge(self, tried: set[str]) -> bool:

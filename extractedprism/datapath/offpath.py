@@ -48,6 +48,7 @@ class Reaper:
         self._name = name
         self._lock = threading.Lock()
         self._new: list[Parked] = []
+        self._cancelled: list[Parked] = []  # cancel(): dropped by the loop
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = -1, -1
         self._stopped = False
@@ -65,6 +66,21 @@ class Reaper:
                 return
             self._new.append(item)
             self._poke_locked()
+
+    def cancel(self, item: Parked) -> None:
+        """Drop ``item`` (closed, released, its outcome not recorded) if it is still
+        parked: its client needs the slot (first_answer's hedge: at most two attempts
+        per client in flight). Nothing if it has finished already."""
+        with self._lock:
+            if item in self._new:
+                self._new.remove(item)
+            elif self._thread is not None:
+                self._cancelled.append(item)
+                self._poke_locked()
+                return
+            else:
+                return
+        self._drop(item)
 
     def _start_locked(self) -> bool:
         """Start the thread (and its wake-up pipe); False when either cannot be had."""
@@ -125,6 +141,13 @@ class Reaper:
                 with self._lock:
                     stopped = self._stopped
                     new, self._new = self._new, []
+                    cancelled, self._cancelled = self._cancelled, []
+                for item in cancelled:
+                    fd = next((f for f, i in items.items() if i is item), None)
+                    if fd is not None:
+                        del items[fd]
+                        poller.unregister(fd)
+                        self._drop(item)
                 for item in new:
                     try:
                         assert item.sock is not None

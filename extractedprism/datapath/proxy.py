@@ -360,8 +360,8 @@ class Proxy:
             tried, client_sock.fileno() if first is None and native else -1)
         if upstream is None or res is None:
             return None
-        if first is not None:  # a replay: the next step sends them
-            return Leg(upstream, res, first)
+        if first is not None:  # a replay: the next step sends them, and hedges nothing
+            return Leg(upstream, res, first, replay=True)
         leg = Leg(upstream, res, res.first, res.sent)
         if native and leg.first is None and not res.panic:
             # The client's request, when it is there (the client speaks first), goes to

@@ -25,7 +25,7 @@ class Reservation:
     """Releasing twice, or after attach, does nothing."""
 
     __slots__ = ("_lock", "_rec", "address", "alone", "dial_seconds", "endpoint", "first",
-                 "panic", "sent", "stalled")
+                 "panic", "rivals", "sent", "stalled")
 
     def __init__(self, lock: threading.RLock, rec: Counted, address: str, *,
                  panic: bool = False, alone: bool = False) -> None:
@@ -39,7 +39,11 @@ class Reservation:
         # them on (Dialer.connect's take_first_from); None: not taken.
         self.first: bytes | None = None
         self.sent = 0
-        self.stalled = False  # this dial has stalled (Registry.stall_dial)
+        self.stalled = False  # this dial has stalled (Picks.stall_dial)
+        # The dials this one won against, left to run on off the client's path (the
+        # Dialer's reaper): while one is in flight the client has two attempts out, so
+        # the first answer's hedge cancels it before it dials (datapath.first_answer).
+        self.rivals: tuple[object, ...] = ()
         self._rec: Counted | None = rec  # the record counted, even if replaced since
         self.address = address
         self.endpoint = rec.endpoint
