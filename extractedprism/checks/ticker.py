@@ -11,7 +11,7 @@ stall check (:meth:`stall_check`); otherwise it is an ordinary check. Probes run
 their own short-lived ``probe-<upstream>`` threads, so a
 slow or silent upstream delays nobody else's check by more than its own timeout, and
 the ticker itself never blocks on a socket. Drain and readiness deadlines are expired
-by :meth:`Registry.tick`, so the ticker wakes at whichever comes first: the next due
+by :meth:`Membership.tick`, so the ticker wakes at whichever comes first: the next due
 probe, the next deadline, an explicit :meth:`wake`, or the liveness interval (so the
 heartbeat can see that this loop still turns).
 

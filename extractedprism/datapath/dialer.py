@@ -11,9 +11,9 @@ not completed within the hedge delay, a second one starts to another pickable up
 and the first to connect carries the connection, so a black-holed API server (SYNs
 unanswered) costs a client the hedge delay instead of the dial timeout. Never more than
 two dials are in flight per client connection. A dial in flight past the hedge delay
-marks its upstream stalled until something succeeds there (Registry.stall_dial): new
+marks its upstream stalled until something succeeds there (Picks.stall_dial): new
 connections skip marked upstreams while another pickable one is left, and the hedge
-avoids them too, then takes a static fallback (Registry.reserve_hedge; docs/lifecycle.md,
+avoids them too, then takes a static fallback (Picks.reserve_hedge; docs/lifecycle.md,
 "When every address a node knows is gone"), so a fault that black-holes every
 discovered server sends new connections to the live static endpoint once the dead ones
 are marked. The losing dial is not abandoned: the reaper thread (``dial-reaper``) lets
@@ -122,7 +122,7 @@ class Dialer:
     def record(self, addr: str, exc: OSError | None, *, panic: bool = False,
                carries: Reservation | None = None, duration: float | None = None) -> None:
         """``carries``: the reservation of the dial that carries the connection; its
-        success is recorded by Registry.attach, in the same lock round trip."""
+        success is recorded by Connections.attach, in the same lock round trip."""
         if exc is None:
             if carries is not None:
                 carries.dial_seconds = duration
@@ -321,7 +321,7 @@ class Dialer:
             if not dials or (hedge_at is not None and now >= hedge_at and len(dials) < 2):
                 if dials:
                     # A hedge: it avoids upstreams with stalled dials, or falls back to a
-                    # static fallback (Registry.reserve_hedge).
+                    # static fallback (Picks.reserve_hedge).
                     self._stalls(dials, now)
                     res = self._registry.picks.reserve_hedge(exclude=tried)
                 else:

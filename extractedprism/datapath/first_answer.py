@@ -49,7 +49,7 @@ pickable upstream not yet tried, and whichever answers first carries the connect
   fired: ``won`` (answered first and carried the connection), ``lost`` (answered after
   the other), ``silent`` (closed, reset or never answered within --health-timeout). An
   upstream left to carry the connection unanswered gets no outcome.
-* Counting (Registry._count_locked): a connection is counted once, on the upstream that
+* Counting (Table.count_locked): a connection is counted once, on the upstream that
   carries it; never on one that was silent or that the client left.
 """
 

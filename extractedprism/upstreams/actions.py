@@ -2,8 +2,8 @@
 
 :class:`AdminActions` holds the registry and is what the admin socket
 (:mod:`extractedprism.ops.admin`) is handed. Each action is one call of the registry's
-operator interface (:meth:`~extractedprism.upstreams.registry.Registry.set_admin`,
-:meth:`~extractedprism.upstreams.registry.Registry.known_addresses`): the registry changes
+operator interface (:meth:`~extractedprism.upstreams.membership.Membership.set_admin`,
+:meth:`~extractedprism.upstreams.table.Table.known_addresses`): the registry changes
 the state under its lock, atomically with the checks it is asked for, runs the side
 effects after releasing it and reports an
 :class:`~extractedprism.upstreams.snapshot.AdminOutcome`; this module decides which checks

@@ -5,7 +5,7 @@ counters per connection: client->upstream bytes ("up"), upstream->client bytes (
 and "answered", the up count at the moment the relay last read bytes from the upstream
 (one store per read, none per byte, no lock). The ``conn-sampler`` thread
 (:mod:`extractedprism.upstreams.sampler`) reads them through
-:meth:`Registry.sample_activity` every sample period, and each connection's
+:meth:`Stalls.sample_activity` every sample period, and each connection's
 :class:`Activity` turns the readings into two facts:
 
 * **quiet time** (rebalancing, ``--rebalance-quiet``): when either count last moved;

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from extractedprism.config.endpoints import Endpoint
 from extractedprism.upstreams.eligibility import hedge_base, panic_base, ranked
+from extractedprism.upstreams.policies import Policy
 from extractedprism.upstreams.reservation import Reservation
 from extractedprism.upstreams.table import Table
 
@@ -37,40 +38,43 @@ class Picks:
         self._pool: list[str] = []
         self._pickable = 0
         self._pool_key: tuple[object, ...] | None = None
+        # The policy picks uniformly when nothing ramps (it keeps Policy.pick and wants no
+        # live counts): that case, every new connection's, is inlined in _choose_locked.
+        self._uniform = (type(table.policy).pick is Policy.pick
+                         and not table.policy.counts_active)
 
     def reserve(self, exclude: Iterable[str] = ()) -> Reservation | None:
         """Pick the upstream for a new connection (or, with ``exclude``, a retry or a
         first-answer hedge) and count its dial in flight; None when nothing is
         eligible."""
         t = self._t
-        skip = frozenset(exclude)
         with t.lock:
-            if skip:
-                pool = [c.address for c in t.eligible_locked(skip)]
-            else:
-                pool = self._first_pool_locked()
-            addr = self._choose_locked(pool)
-            if addr is None:
-                return None
-            rec = t.ups[addr]
-            rec.dialing += 1
-            if skip:
+            if exclude:  # a retry or a hedge: rare, so no cache
+                skip = frozenset(exclude)
+                addr = self._choose_locked([c.address for c in t.eligible_locked(skip)])
+                if addr is None:
+                    return None
                 alone = not any(r.state.pickable and a != addr and a not in skip
                                 for a, r in t.ups.items())
             else:
+                # Every new connection: the eligible list is kept while the records, their
+                # (frozen, so replaced on change) states, the latency tiers and the marks
+                # stay the same; the key costs two C-level tuple builds where the list
+                # costs a Candidate per upstream.
+                ups = t.ups
+                key = (tuple(ups), tuple(map(_STATE, ups.values())),
+                       t.latency.tier_map if t.latency_mode else None, t.marks_epoch)
+                if key != self._pool_key:
+                    self._pool = [c.address for c in t.eligible_locked()]
+                    self._pickable = sum(1 for r in ups.values() if r.state.pickable)
+                self._pool_key = key  # also when equal: compared by identity next time
+                addr = self._choose_locked(self._pool)
+                if addr is None:
+                    return None
                 alone = self._pickable <= 1
+            rec = t.ups[addr]
+            rec.dialing += 1
             return Reservation(t.lock, rec, addr, alone=alone)
-
-    def _first_pool_locked(self) -> list[str]:
-        t = self._t
-        ups = t.ups
-        key = (tuple(ups), tuple(map(_STATE, ups.values())),
-               t.latency.tier_map if t.latency_mode else None, t.marks_epoch)
-        if key != self._pool_key:
-            self._pool = [c.address for c in t.eligible_locked()]
-            self._pickable = sum(1 for r in ups.values() if r.state.pickable)
-        self._pool_key = key  # also when equal: the next comparison is by identity again
-        return self._pool
 
     def _choose_locked(self, pool: list[str]) -> str | None:
         """The policy's pick among the eligible ``pool`` (slow start's weights while some
@@ -78,14 +82,17 @@ class Picks:
         if len(pool) <= 1:
             return pool[0] if pool else None
         t = self._t
+        policy = t.policy
+        if self._uniform and not t.ramping:  # random, latency: Policy.pick's plain case
+            return pool[t.rng.randrange(len(pool))]
         ups = t.ups
         active = ([len(ups[a].conns) + ups[a].dialing for a in pool]
-                  if t.policy.counts_active else None)
+                  if policy.counts_active else None)
         weights = None
         if t.ramping:
             now = t.clock()
             weights = [t.weight_locked(a, now) for a in pool]
-        return t.policy.pick(pool, rng=t.rng, active=active, weights=weights)
+        return policy.pick(pool, rng=t.rng, active=active, weights=weights)
 
     def reserve_hedge(self, exclude: Iterable[str]) -> Reservation | None:
         """The dial hedge of a connection whose dial in flight has stalled: the rule's

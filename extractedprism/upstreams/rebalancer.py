@@ -5,7 +5,7 @@ which samples connection activity in between: a round needs activity samples mor
 than rounds (quiet time is only as fine as the sampling: every fifth of
 ``min(--rebalance-quiet, --rebalance-interval)``, :func:`sample_period`). This object
 keeps the rounds' schedule and touches the registry only through
-:meth:`Registry.rebalance` (which closes the chosen connection after releasing the
+:meth:`Rounds.rebalance` (which closes the chosen connection after releasing the
 lock). The jitter keeps the proxies of many nodes, started together by a DaemonSet, from
 closing connections in the same instant.
 

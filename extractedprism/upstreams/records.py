@@ -54,7 +54,7 @@ class Record:
     endpoint: Endpoint
     state: UpstreamState = field(default_factory=UpstreamState)
     conns: dict[int, Tracked] = field(default_factory=dict)
-    # Live connections whose relay still judges the first answer (Registry.attach_judging):
+    # Live connections whose relay still judges the first answer (Connections.attach_judging):
     # not counted in the totals until they carry bytes or end answered.
     judging: set[int] = field(default_factory=set)
     dialing: int = 0  # picked, dial in progress: counts for least-conn

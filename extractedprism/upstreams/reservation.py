@@ -1,8 +1,8 @@
 """Reservation: a picked upstream counted as a dial in flight, until attach or release.
 
 Least-conn counts dials in flight, so concurrent picks see each other. The count is a
-value the pipe thread holds (issue 12 item 11): ``Registry.reserve()`` and
-``Registry.reserve_endpoint()`` (panic mode) make one, ``Registry.attach()`` ends it, and
+value the pipe thread holds (issue 12 item 11): ``Picks.reserve()`` and
+``Picks.reserve_endpoint()`` (panic mode) make one, ``Connections.attach()`` ends it, and
 as a context manager it is released on every other path, an exception's included.
 """
 

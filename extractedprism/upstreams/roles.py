@@ -1,8 +1,8 @@
 """Roles: what the registry is told about each address of a merged endpoint list.
 
 The discovery merger (:mod:`extractedprism.discovery.merge`) computes them and hands
-them to :meth:`~extractedprism.upstreams.registry.Registry.set_endpoints` and
-:meth:`~extractedprism.upstreams.registry.Registry.set_roles`; they live here, with their
+them to :meth:`~extractedprism.upstreams.membership.Membership.set_endpoints` and
+:meth:`~extractedprism.upstreams.membership.Membership.set_roles`; they live here, with their
 consumer, so the upstreams package needs nothing from discovery.
 """
 

@@ -9,7 +9,7 @@ of them is on, so with both off no counter is read and no thread wakes. Why not 
 ticker: it would wake the ticker several times a second, and the ticker's turns are what
 the heartbeat (/healthz) watches.
 
-Each turn is one :meth:`Registry.sample_activity` (one lock round trip that reads two
+Each turn is one :meth:`Stalls.sample_activity` (one lock round trip that reads two
 integers per connection; stall-triggered checks are asked of the ticker after the lock
 is released) or, when one is due, a rebalance round (which samples first). The period is
 the shorter of rebalancing's (:func:`~extractedprism.upstreams.rebalancer.sample_period`)

@@ -1,4 +1,4 @@
-"""Frozen views of the registry (pure): what readers get from ``Registry.snapshot()``.
+"""Frozen views of the registry (pure): what readers get from ``Table.snapshot()``.
 
 The health server (/readyz, /upstreams), the metrics collector and the tests read
 upstream state only through these values, taken under the registry lock in one go,
@@ -26,7 +26,7 @@ class AdminMark:
 
 @dataclass(frozen=True)
 class AdminOutcome:
-    """What :meth:`Registry.set_admin` found and did, read under its lock in one go."""
+    """What :meth:`Membership.set_admin` found and did, read under its lock in one go."""
 
     before: str  # the operator's mark it had: "", "drain" or "close"
     state: UpstreamState  # its state afterwards
@@ -113,7 +113,7 @@ class UpstreamView:
     # or release, so a count that never returns to 0 is a leaked reservation.
     dials_in_flight: int = 0
     # A dial to it stalled past --dial-hedge-delay and nothing succeeded there since:
-    # hedges avoid it (Registry.reserve_hedge).
+    # hedges avoid it (Picks.reserve_hedge).
     dial_stalled: bool = False
     # The stall check's mark (None: --stall-timeout 0): a connection of it is stalled and
     # not yet settled by its checks, or a check failed while one was (upstreams.stalls).

@@ -20,7 +20,7 @@ Rules
   --drain-timeout; re-adding it makes it ACTIVE again. FALLBACK (``--static-endpoints=
   fallback``): a static endpoint that discovery's list lacks; still health-checked and
   tried in panic mode, never picked normally (a hedge may take it when every discovered
-  upstream left has a stalled dial: selection.hedge_last_resort); listed by discovery
+  upstream left has a stalled dial: eligibility.ranked); listed by discovery
   again, it is ACTIVE.
 * Pickable for a new connection: healthy, not draining, not a fallback and not drained
   by an operator (:func:`pickable`, the one place that says so).
