@@ -19,6 +19,7 @@ import pytest
 
 from extractedprism.upstreams.state import ProbeResult
 from tests.fakes.answering import Fake, hello
+from tests.net.races import drain_race
 from tests.util import http, wait_until
 
 RELAYS = ["native", "python"]
@@ -168,19 +169,8 @@ def test_counters_agree_with_the_upstreams_on_every_path(make_app, marked, relay
     d1, d2 = marked(), marked()
     app = make_app([d1.endpoint, d2.endpoint], health_interval=PROBES_OFF,
                    answer_hedge_delay=HEDGE, relay=relay)
-    reg = app.registry
-    raced: list[str] = []
-    for name in ("attach", "attach_judging"):
-        real = getattr(reg.conns, name)
-
-        def racing(res, conn, _real=real):  # type: ignore[no-untyped-def]
-            if not raced and hasattr(res, "address"):
-                raced.append(res.address)
-                keep = d2.endpoint if res.address == d1.address else d1.endpoint
-                reg.membership.set_endpoints([keep])
-            return _real(res, conn)
-
-        monkeypatch.setattr(reg.conns, name, racing)
+    raced = drain_race(monkeypatch, app, lambda addr: app.registry.membership.set_endpoints(
+        [d2.endpoint if addr == d1.address else d1.endpoint]))
     clients = Clients(app, [d1, d2])
     with contextlib.suppress(AssertionError):  # a request sent before the refusal: closed
         clients.one()

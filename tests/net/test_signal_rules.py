@@ -19,6 +19,7 @@ from extractedprism.config.endpoints import Endpoint
 from extractedprism.datapath import dialer as dialer_mod
 from extractedprism.upstreams.state import ProbeResult
 from tests.fakes.answering import hello
+from tests.net.races import drain_race
 from tests.net.test_hedge import black_hole
 from tests.unit.test_registry import Conn
 from tests.util import wait_until
@@ -66,18 +67,8 @@ def test_after_a_drain_race_the_retry_is_not_hedged(make_app, fakes, relay, monk
                    health_timeout=1.0, answer_hedge_delay=hedge)
     hold(app, silent.address, 1)  # least-conn: first (0), then silent (1), then third (2)
     hold(app, third.address, 2)
-    reg = app.registry
-    raced: list[str] = []
-    for name in ("attach", "attach_judging"):
-        real = getattr(reg.conns, name)
-
-        def racing(res, conn, _real=real):  # type: ignore[no-untyped-def]
-            if not raced and hasattr(res, "address"):
-                raced.append(res.address)
-                reg.membership.set_endpoints([silent.endpoint, third.endpoint])
-            return _real(res, conn)
-
-        monkeypatch.setattr(reg.conns, name, racing)
+    raced = drain_race(monkeypatch, app, lambda _addr: app.registry.membership.set_endpoints(
+        [silent.endpoint, third.endpoint]))
     msg = hello(b"once-or-twice")
     got = send_hello(app, msg, 4 * hedge + 0.5)  # a hedge would have answered by then
     assert raced == [first.address]

@@ -27,6 +27,7 @@ from extractedprism.datapath import first_answer
 from extractedprism.datapath.native import EXTENSION
 from extractedprism.upstreams.state import ProbeResult
 from tests.fakes.answering import Fake, hello
+from tests.net.races import drain_race
 from tests.util import http, wait_until
 
 RELAYS = ["native", "python"]
@@ -244,19 +245,9 @@ def test_drain_race_replays_only_a_client_hello(make_app, fakes, relay, first, m
     a, b = fakes(), fakes()
     app = make_app([a.endpoint, b.endpoint], health_interval=PROBES_OFF,
                    health_timeout=1.0, answer_hedge_delay=0.2, relay=relay)
-    reg = app.registry
-    raced: list[str] = []
-    for name in ("attach", "attach_judging"):
-        real = getattr(reg.conns, name)
-
-        def racing(res, conn, _real=real):  # type: ignore[no-untyped-def]
-            if not raced and hasattr(res, "address"):
-                raced.append(res.address)
-                keep = b.endpoint if res.address == a.address else a.endpoint
-                reg.membership.set_endpoints([keep])  # the one being attached goes away
-            return _real(res, conn)
-
-        monkeypatch.setattr(reg.conns, name, racing)
+    # The one being attached goes away.
+    raced = drain_race(monkeypatch, app, lambda addr: app.registry.membership.set_endpoints(
+        [b.endpoint if addr == a.address else a.endpoint]))
     if first == "clienthello":
         msg = hello(b"replayed")
         assert _round_trip(app, msg) < 5

@@ -46,6 +46,8 @@ from extractedprism.upstreams.registry import Registry
 from extractedprism.upstreams.reservation import Reservation
 from extractedprism.upstreams.state import ProbeResult, Readiness
 from extractedprism.upstreams.verdicts import GUARD_INTERVALS
+from tests.unit.test_balance import Conn
+from tests.unit.test_registry import Clock
 
 EPS = [Endpoint(f"10.0.0.{i}", 6443) for i in range(1, 5)]
 ADDRS = [str(e) for e in EPS]
@@ -58,28 +60,6 @@ BEHAVIOURS = ("up", "refused", "black hole", "unready", "slow")
 # bound if those checks are held back, plus the periods a confirming check takes.
 MARK_BOUND = (2 + SECOND_LOOK) * STALL + (GUARD_INTERVALS + 2) * PERIOD
 OUT_OF_SERVICE_BOUND = (GUARD_INTERVALS + 2) * PERIOD
-
-
-class Conn:
-    def __init__(self, name: str) -> None:
-        self.client = name
-        self.started = 0.0
-        self.bytes_up = self.bytes_down = self.up_answered = 0
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-    def finish(self) -> None:
-        self.closed = True
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class RegistryMachine(RuleBasedStateMachine):

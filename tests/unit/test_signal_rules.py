@@ -13,6 +13,7 @@ import pytest
 from extractedprism.upstreams import balance
 from extractedprism.upstreams.activity import SECOND_LOOK
 from extractedprism.upstreams.registry import Registry
+from extractedprism.upstreams.reservation import Reservation
 from extractedprism.upstreams.state import ProbeResult
 from extractedprism.upstreams.verdicts import GUARD_INTERVALS
 from tests.unit.test_balance import Conn as RoundConn
@@ -36,16 +37,20 @@ def tally(reg: Registry, n: int = 200, exclude: frozenset[str] = frozenset()) ->
     return out
 
 
-def dial_stalled(reg: Registry, addr: str) -> None:
-    """A dial to ``addr`` in flight past --dial-hedge-delay (the Dialer's stall_dial),
-    its reservation still held."""
+def reserve_on(reg: Registry, addr: str) -> Reservation:
+    """A first pick that landed on ``addr`` (the others released as after a failed dial)."""
     while True:
         res = reg.picks.reserve()
         assert res is not None
         if res.address == addr:
-            reg.picks.stall_dial(res)
-            return
+            return res
         res.release()
+
+
+def dial_stalled(reg: Registry, addr: str) -> None:
+    """A dial to ``addr`` in flight past --dial-hedge-delay (the Dialer's stall_dial),
+    its reservation still held."""
+    reg.picks.stall_dial(reserve_on(reg, addr))
 
 
 # -- finding 1: readiness first, marks only a preference among the ready ---------------
@@ -242,12 +247,7 @@ def test_a_stall_whose_second_look_fails_stays_suspect():
 def test_a_dial_stall_mark_ends_when_that_dial_completes():
     reg = Registry(rng=random.Random(5))
     reg.membership.set_endpoints(EPS)
-    while True:
-        res = reg.picks.reserve()
-        assert res is not None
-        if res.address == A:
-            break
-        res.release()
+    res = reserve_on(reg, A)
     reg.picks.stall_dial(res)
     assert A not in tally(reg, 60)
     from tests.unit.test_registry import Conn
