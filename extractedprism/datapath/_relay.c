@@ -87,6 +87,11 @@
 #define GROW_AFTER (4 * 1024 * 1024)
 #define BIG_PIPE (1024 * 1024)
 #define SPLICE_FLAGS (SPLICE_F_MOVE | SPLICE_F_NONBLOCK)
+/* Nothing, except in the store-order test's own build (tests/net/test_relay_counters.py
+ * compiles this file with a pause here, so a reader can land between the two stores). */
+#ifndef RELAY_BETWEEN_STORES
+#define RELAY_BETWEEN_STORES() ((void)0)
+#endif
 /* Reported whatever was asked for; the next splice on that fd says what happened. */
 #define WOKE (POLLERR | POLLHUP | POLLNVAL)
 
@@ -167,8 +172,16 @@ static int pump(struct half *h) {
             return pass_eof(h);
         }
         h->pending = (size_t)n;
-        __atomic_store_n(h->count, *h->count + (uint64_t)n, __ATOMIC_RELAXED);
-        if (h->answered) __atomic_store_n(h->answered, *h->asked, __ATOMIC_RELAXED);
+        /* The answered mark before the count, the count with release order: a reader
+         * (upstreams/registry.py reads up, down, then answered) that sees the upstream's
+         * new bytes sees what they answer too. The other order let a sample between the
+         * two stores see new bytes down with an old mark: unanswered bytes, a stall clock
+         * started that nothing later cleared (issue 37, finding 12). */
+        if (h->answered) {
+            __atomic_store_n(h->answered, *h->asked, __ATOMIC_RELAXED);
+            RELAY_BETWEEN_STORES();
+        }
+        __atomic_store_n(h->count, *h->count + (uint64_t)n, __ATOMIC_RELEASE);
         int err = flush(h);
         if (err) return err;
         if ((size_t)n < h->chunk) break; /* a short read: src is (almost surely) empty */
