@@ -82,10 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upstreams", type=int, default=1,
                    help="nginx on this many loopback addresses, each proxy given them all "
                         "(2+: extractedprism's silent-upstream check runs, see bench/phases.py)")
+    p.add_argument("--pause", type=float, default=0.0,
+                   help="seconds of quiet before each run (11+: the pool has retired the last "
+                        "burst's pipe threads, so each run starts them cold, as the full "
+                        "bench's phases do; docs/performance.md, issue 39)")
     args = p.parse_args(argv)
     os.environ["PATH"] += ":/usr/sbin:/sbin"  # haproxy and nginx, as scripts/bench does
-    if not 1 <= args.reps <= 50 or not 1 <= args.seconds <= 30 or not 1 <= args.upstreams <= 8:
-        raise SystemExit("--reps must be 1-50, --seconds 1-30 and --upstreams 1-8")
+    if (not 1 <= args.reps <= 50 or not 1 <= args.seconds <= 30 or not 1 <= args.upstreams <= 8
+            or not 0 <= args.pause <= 60):
+        raise SystemExit("--reps must be 1-50, --seconds 1-30, --upstreams 1-8 and --pause 0-60")
     hosts = tuple(f"127.0.0.{i}" for i in range(1, args.upstreams + 1))
     tmp = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     (tmp / "www").mkdir()
@@ -129,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             for c in conns:
                 for name, pid, port in variants:
+                    time.sleep(args.pause)
                     cpu0, cs0, mig0 = cpu_seconds(pid), voluntary_switches(pid), migrations(pid)
                     idle0 = cpu_idle()
                     argv = ["wrk", "-t1", "-c", str(c), "-d", f"{args.seconds}s", "--latency"]
