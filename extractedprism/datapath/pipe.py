@@ -423,8 +423,12 @@ class Pipe:
             if h.up:
                 counts[0] += n
             else:
+                # What the upstream's bytes answer (the stall check), stored before the
+                # count: a sampler that runs between the two (another thread may take the
+                # GIL there) and sees these bytes must see what they answer, or it starts a
+                # stall clock nothing clears (issue 37, finding 12; _relay.c does the same).
+                counts[2] = counts[0]
                 counts[1] += n
-                counts[2] = counts[0]  # what the upstream's bytes answer (stall check)
             if (h.pending and not self._flush(h)) or h.tail:
                 return True  # dst is full: wait for POLLOUT
             if not full:

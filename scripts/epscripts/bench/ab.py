@@ -46,6 +46,17 @@ def voluntary_switches(pid: int) -> int:
     return total
 
 
+def migrations(pid: int) -> int:
+    """CPU migrations of every live thread of ``pid`` (se.nr_migrations): where pinning,
+    spreading and the kernel's wake-up placement move the proxy's threads."""
+    total = 0
+    for sched in glob.glob(f"/proc/{pid}/task/*/sched"):
+        with contextlib.suppress(OSError, AttributeError):
+            text = Path(sched).read_text()
+            total += int(re.search(r"^se\.nr_migrations\s+:\s+(\d+)", text, re.M).group(1))
+    return total
+
+
 def cpu_idle() -> list[tuple[int, int]]:
     """(idle, total) jiffies per CPU, from /proc/stat."""
     out = []
@@ -71,10 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upstreams", type=int, default=1,
                    help="nginx on this many loopback addresses, each proxy given them all "
                         "(2+: extractedprism's silent-upstream check runs, see bench/phases.py)")
+    p.add_argument("--pause", type=float, default=0.0,
+                   help="seconds of quiet before each run (11+: the pool has retired the last "
+                        "burst's pipe threads, so each run starts them cold, as the full "
+                        "bench's phases do; docs/performance.md, issue 39)")
     args = p.parse_args(argv)
     os.environ["PATH"] += ":/usr/sbin:/sbin"  # haproxy and nginx, as scripts/bench does
-    if not 1 <= args.reps <= 50 or not 1 <= args.seconds <= 30 or not 1 <= args.upstreams <= 8:
-        raise SystemExit("--reps must be 1-50, --seconds 1-30 and --upstreams 1-8")
+    if (not 1 <= args.reps <= 50 or not 1 <= args.seconds <= 30 or not 1 <= args.upstreams <= 8
+            or not 0 <= args.pause <= 60):
+        raise SystemExit("--reps must be 1-50, --seconds 1-30, --upstreams 1-8 and --pause 0-60")
     hosts = tuple(f"127.0.0.{i}" for i in range(1, args.upstreams + 1))
     tmp = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     (tmp / "www").mkdir()
@@ -112,12 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         for _, _, port in variants:
             if not wait_port(HOST, port, max(0.0, deadline - time.monotonic())):
                 raise SystemExit(f"nothing listens on {HOST}:{port}")
-        rows: dict[tuple[str, int], list[tuple[int, float, float, float, float, list[float]]]] = {}
+        rows: dict[tuple[str, int],
+                   list[tuple[int, float, float, float, float, list[float], float]]] = {}
         conns = [int(c) for c in args.conns.split(",")]
         for rep in range(args.reps):
             for c in conns:
                 for name, pid, port in variants:
-                    cpu0, cs0 = cpu_seconds(pid), voluntary_switches(pid)
+                    time.sleep(args.pause)
+                    cpu0, cs0, mig0 = cpu_seconds(pid), voluntary_switches(pid), migrations(pid)
                     idle0 = cpu_idle()
                     argv = ["wrk", "-t1", "-c", str(c), "-d", f"{args.seconds}s", "--latency"]
                     if not args.keepalive:
@@ -130,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                             for (i0, t0), (i1, t1) in zip(idle0, cpu_idle(), strict=True)]
                     rows.setdefault((name, c), []).append(
                         (rep, w["rps"], w["p99_ms"], 1e6 * (cpu_seconds(pid) - cpu0) / n,
-                         (voluntary_switches(pid) - cs0) / n, idle))
+                         (voluntary_switches(pid) - cs0) / n, idle,
+                         (migrations(pid) - mig0) / n))
         for c in conns:
             ha = {r[0]: r[1] for r in rows[("haproxy", c)]}
             for name, _, _ in variants:
@@ -141,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"({' '.join(f'{x:.2f}' for x in ratios)}) "
                       f"p99 {statistics.median(r[2] for r in got):6.2f} ms "
                       f"cpu {statistics.median(r[3] for r in got):6.1f} us "
-                      f"cs {statistics.median(r[4] for r in got):5.2f} idle "
+                      f"cs {statistics.median(r[4] for r in got):5.2f} "
+                      f"mig {statistics.median(r[6] for r in got):5.2f} "
+                      f"p99s ({' '.join(f'{r[2]:.1f}' for r in got)}) idle "
                       + "/".join(f"{100 * statistics.median(r[5][i] for r in got):.0f}%"
                                  for i in range(len(got[0][5]))), flush=True)
     finally:
