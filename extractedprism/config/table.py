@@ -255,8 +255,9 @@ FLAGS: tuple[Flag, ...] = (
         "answers in time (its latest check passed, no stalled connection); when every "
         "one serving is slow (an overloaded control plane, or the last one left) it is "
         "not counted, so overload does not take servers out of service in turn and "
-        "close their connections; refusals, resets, TLS errors and non-200 answers always "
-        "count",
+        "close their connections, for at most three check periods after the upstream's "
+        "last passed check (one that answers none is excluded whatever its peers do); "
+        "refusals, resets, TLS errors and non-200 answers always count",
         group="health",
     ),
     Flag(
