@@ -217,16 +217,18 @@ def scenarios() -> list[Scenario]:
         (FAULT_AT + 20, "ExtractedprismUpstreamsDegraded"): [(node_labels("n3"), 1)],
     }))
 
-    flap = values(("1", FAULT_AT), ("0", 1), ("1", 1), ("0", 1), ("1", 1),
-                  ("1", STEPS - FAULT_AT - 4))
-    out.append(Scenario("an upstream out and back twice within two minutes", Fleet(over={
-        sel("extractedprism_upstream_ready", "n2", upstream=u1): flap}), {
-        (FAULT_AT + 2, "ExtractedprismUpstreamFlapping"): [],
-        (FAULT_AT + 3, "ExtractedprismUpstreamFlapping"): [
-            (node_labels("n2", upstream=u1), 4)],
-        # Gone once the 15 minutes no longer hold four changes.
-        (FAULT_AT + 3 + 30, "ExtractedprismUpstreamFlapping"): [],
-        (FAULT_AT + 3, "ExtractedprismUpstreamsDegraded"): [],
+    flap = values(("1", FAULT_AT), ("0", 1), ("1", 1), ("0", 1), ("1", 1), ("0", 1),
+                  ("1", STEPS - FAULT_AT - 5))
+    out.append(Scenario("an upstream out and back three times within three minutes",
+                        Fleet(over={sel("extractedprism_upstream_ready", "n2", upstream=u1):
+                                    flap}), {
+        # Two round trips (a roll, then a crash) are not flapping.
+        (FAULT_AT + 4, "ExtractedprismUpstreamFlapping"): [],
+        (FAULT_AT + 5, "ExtractedprismUpstreamFlapping"): [
+            (node_labels("n2", upstream=u1), 6)],
+        # Gone once the 15 minutes no longer hold six changes.
+        (FAULT_AT + 5 + 30, "ExtractedprismUpstreamFlapping"): [],
+        (FAULT_AT + 5, "ExtractedprismUpstreamsDegraded"): [],
     }))
 
     stalls = " ".join(["0"] * FAULT_AT + ["1", "2", "3"] + ["3"] * (STEPS - FAULT_AT - 3))
