@@ -1,6 +1,7 @@
 """Draw the fleet matrix through one fault from what Prometheus recorded.
 
     scripts/fleet-alerts-png [--in docs/fleet-alerts.json] [--out docs/fleet-alerts-matrix.png]
+    scripts/fleet-alerts-png --table     # the run as docs/operations.md's table
 
 Reads the `matrix` that scripts/fleet-alerts saved (a query_range of every node's state of
 every API server: 0 in service, 2 out of service) and draws one strip per API server: a row
@@ -13,10 +14,38 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from epscripts.fleet.nodes import repo_root
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The run as the markdown table of docs/operations.md (API servers by name)."""
+    api = {v: k for k, v in doc["api"].items()}
+
+    def name(k: str) -> str:
+        for ip, a in api.items():
+            k = k.replace(f"upstream={ip}", f"upstream={a}")
+        return k.replace("Extractedprism", "")
+
+    rows = ["| phase | expected alert | fired (s after the fault) | resolved (s after undoing "
+            "it) | other alerts that fired | pending only, never fired |",
+            "|---|---|---|---|---|---|"]
+    for p in doc["phases"]:
+        exp = p["expect"]
+        rec = p["alerts"].get(exp, {}) if exp else {}
+        fired = [f"{name(k)} {v['firing']:.0f} s" for k, v in p["alerts"].items()
+                 if "firing" in v and k != exp]
+        pending = Counter(name(k).split("{")[0] for k, v in p["alerts"].items()
+                          if "firing" not in v)
+        rows.append(
+            f"| {p['phase']} (held {p['held_s']:.0f} s) | {name(exp) if exp else 'none'} | "
+            f"{rec.get('firing', 'not fired') if exp else '—'} | "
+            f"{rec.get('resolved', '—') if exp else '—'} | {'; '.join(fired) or 'none'} | "
+            f"{', '.join(f'{n} x{c}' for n, c in sorted(pending.items())) or 'none'} |")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--in", dest="src", default=str(repo_root() / "docs" / "fleet-alerts.json"))
     p.add_argument("--out", default=str(repo_root() / "docs" / "fleet-alerts-matrix.png"))
+    p.add_argument("--table", action="store_true",
+                   help="print the run as a markdown table instead of drawing")
     args = p.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.src).read_text())))
+        return 0
     import matplotlib
 
     matplotlib.use("Agg")
