@@ -107,6 +107,15 @@ UPSTREAM_GAUGES: tuple[tuple[str, str, PerUpstream], ...] = (
      "Slow start's weight of the upstream, 0.1 to 1 while it ramps up after becoming "
      "pickable (--slow-start only)",
      lambda s, u: u.weight),
+    # For the alerts and the dashboard (docs/operations.md): a healthy upstream with a
+    # streak is a suspect, one failure from exclusion.
+    ("upstream_failure_streak",
+     "Consecutive failed health checks and client dials of the upstream, 0 after a success",
+     lambda s, u: u.failures),
+    ("upstream_stalled_connections",
+     "Live connections to the upstream stalled at the last sample: the client sent bytes "
+     "and got nothing back for --stall-timeout (--stall-timeout only)",
+     lambda s, u: u.stalled_connections),
 )
 
 
