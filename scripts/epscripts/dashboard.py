@@ -44,11 +44,15 @@ def out_of_service(sel: str) -> str:
 
 def state(sel: str) -> str:
     """0 ready, 1 suspect (in service with a failure streak: one failure from exclusion,
-    or holding stalled connections), 2 excluded."""
+    or marked: the stall check's suspect, a stalled dial; the marks new connections
+    avoid, docs/architecture.md), 2 excluded."""
     out = out_of_service(sel)
     suspect = (f"clamp_max(extractedprism_upstream_failure_streak{{{sel}}} "
                f"+ on(job, instance, upstream) group_left() "
-               f"(extractedprism_upstream_stalled_connections{{{sel}}} "
+               f"(extractedprism_upstream_suspect{{{sel}}} "
+               f"or 0 * extractedprism_upstream_failure_streak{{{sel}}}) "
+               f"+ on(job, instance, upstream) group_left() "
+               f"(extractedprism_upstream_dial_stalled{{{sel}}} "
                f"or 0 * extractedprism_upstream_failure_streak{{{sel}}}), 1)")
     return f"max by (node, upstream) (2 * {out} + (1 - {out}) * {suspect})"
 
