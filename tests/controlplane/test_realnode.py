@@ -38,15 +38,18 @@ from tests.util import wait_until
 
 _WHY = fleet_why_not()
 if _WHY is None:
+    from epscripts.realnode import build as _rnbuild
     from epscripts.realnode.node import missing_prerequisites
 
     _WHY = missing_prerequisites()
+    if _WHY is None and _rnbuild.missing():
+        _WHY = (f"real-node binaries not built ({', '.join(_rnbuild.missing())}): run "
+                "`scripts/realnode build`")
 if _WHY:
     pytest.skip(f"real-node tests: {_WHY}", allow_module_level=True)
 
 from epscripts.fleet import observe  # noqa: E402
 from epscripts.fleet.nodes import Fleet  # noqa: E402
-from epscripts.realnode import build as rnbuild  # noqa: E402
 from epscripts.realnode.node import KUBELET_ADDRESS_FLAG, RealNodes, image_name  # noqa: E402
 
 from tests.deploy.helpers import render  # noqa: E402
@@ -117,9 +120,6 @@ class LeaseWatch:
 def node(control_plane: Any, image_archive: Path) -> Iterator[RealNodes]:
     # kubectl logs dials the kubelet by address (the node's name resolves nowhere here).
     restore(control_plane, [KUBELET_ADDRESS_FLAG])
-    t0 = time.monotonic()
-    rnbuild.build()
-    record("real node build", seconds=round(time.monotonic() - t0, 1))
     rn = RealNodes(control_plane)
     fleet = Fleet(control_plane)
     try:
