@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -10,6 +11,7 @@ from epscripts.controlplane import host as cphost
 from epscripts.controlplane import plane as cpplane
 from epscripts.fleet import observe
 from epscripts.realnode import build as rnbuild
+from epscripts.realnode import faults
 from epscripts.realnode.node import NodeError, RealNodes, missing_prerequisites
 
 
@@ -45,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--lb-arg", action="append", default=[],
                     help="extra extractedprism flag for the static pod (repeat)")
     sub.add_parser("status", help="nodes, Ready, Lease age, pids")
+    fault = sub.add_parser("fault", help="one fault, measured (faults.py): "
+                           + ", ".join(faults.KINDS))
+    fault.add_argument("kind", choices=faults.KINDS)
+    fault.add_argument("--node", default="r1")
+    fault.add_argument("--hold", type=float, default=30.0)
+    fault.add_argument("--settle", type=float, default=20.0)
     down = sub.add_parser("down", help="remove the real nodes and all they made")
     down.add_argument("--node", default=None)
     args = p.parse_args(argv)
@@ -72,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"{args.node} Ready {took['ready']:.1f}s after the kubelet started")
         elif args.verb == "status":
             print(describe(rn))
+        elif args.verb == "fault":
+            print(json.dumps(faults.run(rn, args.node, args.kind, args.hold, args.settle)))
         elif args.verb == "down":
             for line in rn.down(args.node):
                 print(line)

@@ -1,0 +1,146 @@
+"""Faults on a real node (``scripts/realnode fault KIND``), each measured the same way:
+a client loop through the node's 127.0.0.1:7445 (a new TLS connection and ``GET /readyz``
+every 50 ms, clientloop.py), the node's Ready condition and its Lease's renewals sampled
+every second, from before the fault until ``settle`` seconds after it was undone.
+
+Kinds:
+
+* ``container-kill``: SIGKILL to the product's process in its container (the static
+  pod); the kubelet restarts the container.
+* ``api-kill``, ``api-stop``, ``api-partition``: the API server carrying the kubelet's
+  connection is killed (-9; started again after ``hold``), frozen (SIGSTOP for ``hold``,
+  then SIGCONT) or cut from etcd for ``hold``.
+* ``rotation``: k0s's balancer test (inttest/nllb): for each API server in turn, stop
+  the node's kubelet, stop that API server, start the kubelet while it is down, wait for
+  the node to be Ready, start the API server again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from epscripts.controlplane import host as cphost
+from epscripts.fleet import observe
+
+KINDS = ("container-kill", "api-kill", "api-stop", "api-partition", "rotation")
+
+
+class Sampler:
+    """Ready and Lease renewals of one node, every second, on a thread."""
+
+    def __init__(self, cp: Any, node: str) -> None:
+        self.cp, self.node = cp, node
+        self.renewals: list[float] = []
+        self.not_ready: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(name="realnode-sampler", target=self._run,
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        end = time.monotonic() + 1800
+        while not self._stop.wait(1.0) and time.monotonic() < end:
+            with contextlib.suppress(Exception):
+                t = (observe.lease_renewals(self.cp) or {}).get(self.node)
+                if t is not None and (not self.renewals or t != self.renewals[-1]):
+                    self.renewals.append(t)
+                ready = ((observe.node_conditions(self.cp) or {}).get(self.node)
+                         or {}).get("ready")
+                if ready not in (None, "True"):
+                    self.not_ready.append(f"{time.strftime('%T')} {ready}")
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(10)
+        times = [*self.renewals, time.time()]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        return {"longest_lease_gap_s": round(max(gaps), 1) if gaps else None,
+                "renewals": len(self.renewals), "not_ready_samples": self.not_ready}
+
+
+def carrier(rn: Any, node: str) -> str:
+    apis = observe.kubelet_apis(rn.cp, rn.fleet, owner="kubelet", nodes=[node])[node]
+    if not apis:
+        raise RuntimeError("no kubelet connection through 127.0.0.1:7445 found")
+    return str(apis[0])
+
+
+def run(rn: Any, node: str, kind: str, hold: float = 30.0, settle: float = 20.0
+        ) -> dict[str, Any]:
+    cp = rn.cp
+    stop_file = Path(tempfile.mkdtemp(prefix="realnode-fault-")) / "stop"
+    loop = rn.client_loop(node, 7445, stop_file, max_s=hold * 4 + settle + 600)
+    sampler = Sampler(cp, node)
+    out: dict[str, Any] = {"kind": kind, "hold_s": hold}
+    try:
+        time.sleep(3)
+        t0 = time.monotonic()
+        if kind == "container-kill":
+            pids = rn.lb_pids(node)
+            os.kill(pids[0], signal.SIGKILL)
+            out["killed_host_pid"] = pids[0]
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                now = rn.lb_pids(node)
+                if now and now != pids:
+                    break
+                time.sleep(0.1)
+            out["new_process_after_s"] = round(time.monotonic() - t0, 1)
+        elif kind in ("api-kill", "api-stop", "api-partition"):
+            api = carrier(rn, node)
+            out["api"] = api
+            if kind == "api-kill":
+                cp.signal(api, signal.SIGKILL)
+                cp.wait_exit(api, 10)
+            elif kind == "api-stop":
+                cp.stop(api)
+            else:
+                cp.partition_etcd(api)
+            time.sleep(hold)
+            out["kubelet_during"] = observe.kubelet_apis(cp, rn.fleet, owner="kubelet",
+                                                         nodes=[node])[node]
+            if kind == "api-kill":
+                cp.start(api, cp.extra_args(api))
+            elif kind == "api-stop":
+                cp.cont(api)
+            else:
+                cp.heal(api)
+            cp.wait_ready([api], timeout=120)
+        elif kind == "rotation":
+            steps = []
+            for api in cphost.APISERVERS:
+                s0 = time.monotonic()
+                rn.fleet.stop_proc(f"kubelet-{node}", signal.SIGTERM, 30)
+                cp.term(api)
+                cp.wait_exit(api, 60)
+                rn.start_kubelet(node)
+                observe.wait_nodes_ready(cp, [node], timeout=120)
+                ready_s = time.monotonic() - s0
+                cp.start(api, cp.extra_args(api))
+                cp.wait_ready([api], timeout=120)
+                steps.append({"api": api, "ready_after_s": round(ready_s, 1)})
+            out["steps"] = steps
+        else:
+            raise ValueError(f"unknown fault {kind!r}; one of {', '.join(KINDS)}")
+        out["fault_s"] = round(time.monotonic() - t0, 1)
+        time.sleep(settle)
+    finally:
+        stop_file.touch()
+        try:
+            text, _ = loop.communicate(timeout=60)
+            out["clients"] = json.loads(text.strip().splitlines()[-1])
+        except Exception as exc:  # the loop's figures are a report, not a precondition
+            loop.kill()
+            loop.wait()
+            out["clients"] = f"no result: {exc!r}"
+        out.update(sampler.stop())
+    return out
