@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -75,7 +76,18 @@ DS_VALUES: dict[str, Any] = {"bindPort": DS_PORT, "healthPort": DS_HEALTH,
                              "shutdownDrainTimeout": "10s", "minReadySeconds": 5,
                              "image": {"pullPolicy": "Never"}}
 
-image_archive = _image_fixture  # the image test_image.py builds and caches, shared
+
+@pytest.fixture(scope="module")
+def image(request: pytest.FixtureRequest) -> Path:
+    """The image test_image.py builds and caches (shared); EP_REALNODE_IMAGE names
+    another archive instead (a before/after comparison with an older build)."""
+    other = os.environ.get("EP_REALNODE_IMAGE")
+    if other:
+        return Path(other)
+    return Path(request.getfixturevalue("image_archive"))
+
+
+image_archive = _image_fixture
 
 
 class LeaseWatch:
@@ -117,14 +129,14 @@ class LeaseWatch:
 
 
 @pytest.fixture(scope="module")
-def node(control_plane: Any, image_archive: Path) -> Iterator[RealNodes]:
+def node(control_plane: Any, image: Path) -> Iterator[RealNodes]:
     # kubectl logs dials the kubelet by address (the node's name resolves nowhere here).
     restore(control_plane, [KUBELET_ADDRESS_FLAG])
     rn = RealNodes(control_plane)
     fleet = Fleet(control_plane)
     try:
         t0 = time.monotonic()
-        took = rn.up(NODE, 1, image=image_archive, timeout=READY_BOUND)
+        took = rn.up(NODE, 1, image=image, timeout=READY_BOUND)
         record("real node up", up_seconds=round(time.monotonic() - t0, 1),
                ready_after_kubelet_s=round(took["ready"], 1))
         rn.state["timings"] = took

@@ -122,13 +122,22 @@ def run(rn: Any, node: str, kind: str, hold: float = 30.0, settle: float = 20.0
                 rn.fleet.stop_proc(f"kubelet-{node}", signal.SIGTERM, 30)
                 cp.term(api)
                 cp.wait_exit(api, 60)
+                started = time.time()
                 rn.start_kubelet(node)
-                observe.wait_nodes_ready(cp, [node], timeout=120)
+                # Ready, and renewed by the new kubelet (the Node's Ready of the old one
+                # would still read True: nothing marks it within seconds).
+                deadline = time.monotonic() + 120
+                while (time.monotonic() < deadline
+                       and ((observe.lease_renewals(cp) or {}).get(node, 0.0) < started
+                            or ((observe.node_conditions(cp) or {}).get(node) or {}
+                                ).get("ready") != "True")):
+                    time.sleep(0.5)
                 ready_s = time.monotonic() - s0
                 cp.start(api, cp.extra_args(api))
                 cp.wait_ready([api], timeout=120)
                 steps.append({"api": api, "ready_after_s": round(ready_s, 1)})
             out["steps"] = steps
+            out["daemonset"] = daemonset_check(rn, node)
         else:
             raise ValueError(f"unknown fault {kind!r}; one of {', '.join(KINDS)}")
         out["fault_s"] = round(time.monotonic() - t0, 1)
@@ -143,4 +152,56 @@ def run(rn: Any, node: str, kind: str, hold: float = 30.0, settle: float = 20.0
             loop.wait()
             out["clients"] = f"no result: {exc!r}"
         out.update(sampler.stop())
+    return out
+
+
+def daemonset_check(rn: Any, node: str, timeout: float = 120.0) -> dict[str, Any]:
+    """k0s's last step: a new DaemonSet's pod Running on the node, its log readable with
+    `kubectl logs`. The pod runs the product's image's Python (present on the node),
+    prints one line and sleeps; host network, so no CNI is involved."""
+    import subprocess
+
+    from epscripts.realnode.node import image_name
+
+    cp = rn.cp
+    if not rn.fleet.state.get("controllers_api"):
+        rn.fleet.start_controllers("api1")
+    kubectl = [cp.binary("kubectl"), "--kubeconfig", str(Path(cp.dir) / "admin.kubeconfig")]
+    name = "realnode-check"
+    ds = {"apiVersion": "apps/v1", "kind": "DaemonSet",
+          "metadata": {"name": name, "namespace": "default"},
+          "spec": {"selector": {"matchLabels": {"app": name}},
+                   "template": {"metadata": {"labels": {"app": name}}, "spec": {
+                       "hostNetwork": True, "automountServiceAccountToken": False,
+                       "containers": [{"name": "c", "image": image_name(),
+                                       "imagePullPolicy": "Never",
+                                       "command": ["/opt/venv/bin/python", "-c",
+                                                   "import time; print('hello from the "
+                                                   "node', flush=True); time.sleep(3600)"]}]}}}}
+    t0 = time.monotonic()
+    subprocess.run([*kubectl, "apply", "-f", "-"], input=json.dumps(ds), check=True,
+                   capture_output=True, text=True, timeout=60)
+    out: dict[str, Any] = {"running": False, "logs": ""}
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = subprocess.run([*kubectl, "-n", "default", "get", "pods", "-l",
+                                  f"app={name}", "-o", "json"], capture_output=True,
+                                 text=True, timeout=30)
+            items = json.loads(got.stdout or "{}").get("items") or []
+            mine = [p for p in items if p["spec"].get("nodeName") == node
+                    and p.get("status", {}).get("phase") == "Running"]
+            if mine:
+                out["running"] = True
+                out["running_after_s"] = round(time.monotonic() - t0, 1)
+                logs = subprocess.run([*kubectl, "-n", "default", "logs",
+                                       mine[0]["metadata"]["name"]], capture_output=True,
+                                      text=True, timeout=30)
+                out["logs"] = (logs.stdout or logs.stderr).strip()
+                if "hello from the node" in out["logs"]:
+                    break
+            time.sleep(1)
+    finally:
+        subprocess.run([*kubectl, "-n", "default", "delete", "daemonset", name,
+                        "--wait=false"], capture_output=True, timeout=60)
     return out

@@ -501,6 +501,10 @@ state = "{d}/containerd/state"
         if not self.state["nodes"]:
             done += self._restore_sysctls()
             done += self._remove_shim_sockets()
+            if self.fleet.state.get("controllers_api") and not self.fleet.nodes:
+                # Started for a DaemonSet on the real node (faults.daemonset_check, the
+                # tests), with no hollow node of scripts/fleet using them.
+                done += self.fleet.down()
         return done
 
     def _remove_shim_sockets(self) -> list[str]:
