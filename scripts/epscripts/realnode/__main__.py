@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--node", default="r1")
     up.add_argument("--lb-arg", action="append", default=[],
                     help="extra extractedprism flag for the static pod (repeat)")
+    up.add_argument("--api-down", action="append", default=[], choices=cphost.APISERVERS,
+                    help="kill this API server before the node starts (repeat)")
+    up.add_argument("--blackhole", action="append", default=[], choices=cphost.APISERVERS,
+                    help="make this API server silently unreachable from the node")
     sub.add_parser("status", help="nodes, Ready, Lease age, pids")
     fault = sub.add_parser("fault", help="one fault, measured (faults.py): "
                            + ", ".join(faults.KINDS))
@@ -70,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "up":
             index = 1 + max([rn.state["nodes"][n]["index"] for n in rn.nodes] or [0])
             try:
-                took = rn.up(args.node, index, lb_extra=args.lb_arg)
+                took = rn.up(args.node, index, lb_extra=args.lb_arg,
+                             apis_down=args.api_down, blackholed=args.blackhole)
             except BaseException:
                 _log(f"up failed; taking {args.node} down (logs kept in {rn.cp.dir})")
                 for line in rn.down(args.node) if args.node in rn.state["nodes"] else []:

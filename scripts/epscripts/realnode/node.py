@@ -190,9 +190,17 @@ class RealNodes:
     # -- up --
 
     def up(self, node: str = "r1", index: int = 1, *, lb_extra: list[str] | None = None,
-           image: Path | None = None, timeout: float = 180.0) -> dict[str, float]:
+           image: Path | None = None, timeout: float = 180.0,
+           apis_down: list[str] | None = None,
+           blackholed: list[str] | None = None) -> dict[str, float]:
         """containerd, the images, the static pod's manifest, the kubelet; returns timings
-        (seconds): ``kubelet_start`` (monotonic), ``ready`` (kubelet start to Node Ready)."""
+        (seconds): ``kubelet_start`` (monotonic), ``ready`` (kubelet start to Node Ready).
+
+        A cold start under a fault: ``apis_down`` are killed (-9) before the node starts
+        (and left down: ``scripts/controlplane start API`` brings one back);
+        ``blackholed`` are made unreachable from the node, silently (a neighbour entry
+        in the node's namespace pointing at a MAC address nobody has: packets vanish,
+        as with a DROP rule), until ``unblackhole``."""
         why = missing_prerequisites()
         if why:
             raise NodeError(why)
@@ -217,6 +225,13 @@ class RealNodes:
             self.save()
         self.api_servers_reach_kubelets()
         self.fleet._add_netns(node, NODE_BASE + index)
+        for api in apis_down or []:
+            if self.cp.pid(api) is not None:
+                self.cp.signal(api, signal.SIGKILL)
+                self.cp.wait_exit(api, 10)
+        for api in blackholed or []:
+            cphost.run_ip("-n", self.netns(node), "neigh", "replace", self.cp.ip(api),
+                          "lladdr", cphost.DEAD_MAC, "nud", "permanent", "dev", "eth0")
         self._make_cgroups(node)
         self._write_containerd_config(node)
         self.spawn(f"containerd-{node}", node, ["containerd", "--config",
@@ -234,6 +249,10 @@ class RealNodes:
         observe.wait_nodes_ready(self.cp, [node], timeout=timeout,
                                  alive=lambda: self._alive(node))
         return {"kubelet_start": t0, "ready": time.monotonic() - t0}
+
+    def unblackhole(self, node: str, api: str) -> None:
+        cphost.run_ip("-n", self.netns(node), "neigh", "del", self.cp.ip(api), "dev", "eth0",
+                      check=False)
 
     def api_servers_reach_kubelets(self) -> None:
         """`kubectl logs` and `exec` dial the kubelet by its node name unless the API
@@ -577,11 +596,37 @@ state = "{d}/containerd/state"
                 if self.cp.request(api, f"/api/v1/nodes/{node}", method="DELETE",
                                    timeout=3)[0] in (200, 404):
                     break
-        # The container images and root filesystems (hundreds of MB); logs stay.
+        done += self._delete_pods_of(node)
+        # The container images and root filesystems (hundreds of MB), and the pods' logs:
+        # a next kubelet counts a container's restarts from the files there.
         shutil.rmtree(d / "containerd", ignore_errors=True)
         shutil.rmtree(d / "kubelet", ignore_errors=True)
+        shutil.rmtree(d / "pod-logs", ignore_errors=True)
         del self.state["nodes"][node]
         self.save()
+        return done
+
+    def _delete_pods_of(self, node: str) -> list[str]:
+        """The pods bound to the node (its mirror pod, DaemonSet pods): with no pod GC
+        controller running they would outlive it, and a next node of the same name would
+        inherit the mirror pod's status (restart counts included)."""
+        done = []
+        for api in cphost.APISERVERS:
+            try:
+                status, body = self.cp.request(
+                    api, f"/api/v1/pods?fieldSelector=spec.nodeName%3D{node}", timeout=5)
+            except OSError:
+                continue
+            if status != 200:
+                continue
+            for pod in body.get("items") or []:
+                meta = pod["metadata"]
+                with contextlib.suppress(OSError):
+                    self.cp.request(api, f"/api/v1/namespaces/{meta['namespace']}/pods/"
+                                    f"{meta['name']}", method="DELETE",
+                                    body={"gracePeriodSeconds": 0}, timeout=5)
+                    done.append(f"deleted pod {meta['namespace']}/{meta['name']}")
+            break
         return done
 
     def _restore_sysctls(self) -> list[str]:
