@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from epscripts.controlplane import host as cphost
 from epscripts.controlplane import plane as cpplane
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--node", default="r1")
     up.add_argument("--lb-arg", action="append", default=[],
                     help="extra extractedprism flag for the static pod (repeat)")
+    up.add_argument("--image", default=None, help="the product's image archive "
+                    "(default: scripts/image's dist/extractedprism-<version>.oci.tar)")
     up.add_argument("--api-down", action="append", default=[], choices=cphost.APISERVERS,
                     help="kill this API server before the node starts (repeat)")
     up.add_argument("--blackhole", action="append", default=[], choices=cphost.APISERVERS,
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             index = 1 + max([rn.state["nodes"][n]["index"] for n in rn.nodes] or [0])
             try:
                 took = rn.up(args.node, index, lb_extra=args.lb_arg,
-                             apis_down=args.api_down, blackholed=args.blackhole)
+                             apis_down=args.api_down, blackholed=args.blackhole,
+                             image=Path(args.image) if args.image else None)
             except BaseException:
                 _log(f"up failed; taking {args.node} down (logs kept in {rn.cp.dir})")
                 for line in rn.down(args.node) if args.node in rn.state["nodes"] else []:

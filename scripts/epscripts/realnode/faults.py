@@ -7,6 +7,8 @@ Kinds:
 
 * ``container-kill``: SIGKILL to the product's process in its container (the static
   pod); the kubelet restarts the container.
+* ``container-term``: SIGTERM to it, as the kubelet stops a container whose liveness
+  probe failed; it drains and exits, and the kubelet starts the container again.
 * ``api-kill``, ``api-stop``, ``api-partition``: the API server carrying the kubelet's
   connection is killed (-9; started again after ``hold``), frozen (SIGSTOP for ``hold``,
   then SIGCONT) or cut from etcd for ``hold``.
@@ -31,7 +33,7 @@ from typing import Any
 from epscripts.controlplane import host as cphost
 from epscripts.fleet import observe
 
-KINDS = ("container-kill", "api-kill", "api-stop", "api-partition", "rotation")
+KINDS = ("container-kill", "container-term", "api-kill", "api-stop", "api-partition", "rotation")
 
 
 class Sampler:
@@ -84,11 +86,11 @@ def run(rn: Any, node: str, kind: str, hold: float = 30.0, settle: float = 20.0
     try:
         time.sleep(3)
         t0 = time.monotonic()
-        if kind == "container-kill":
+        if kind in ("container-kill", "container-term"):
             pids = rn.lb_pids(node)
-            os.kill(pids[0], signal.SIGKILL)
+            os.kill(pids[0], signal.SIGKILL if kind == "container-kill" else signal.SIGTERM)
             out["killed_host_pid"] = pids[0]
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 180
             while time.monotonic() < deadline:
                 now = rn.lb_pids(node)
                 if now and now != pids:
