@@ -162,6 +162,8 @@ class App:
         # Set when the shutdown closes the listeners for good: from then on nothing is
         # offered (until then, during a shutdown drain, a successor may still take them).
         self._listeners_closing = threading.Event()
+        # Set when a successor accepts on the listeners (ends an offering drain's wait).
+        self._successor_accepts = threading.Event()
         self._state_writer: statefile.StateWriter | None = None
         self._cache_in_use = False
         self._started = False
@@ -283,6 +285,7 @@ class App:
             self.proxy.stop_accepting()
         if "health" in names and self.health is not None:
             self.health.stop_accepting()
+        self._successor_accepts.set()
         until = "the drain ends" if self.stop_event.is_set() else "SIGTERM"
         log.info("handover: a successor accepts now; serving open connections until "
                  "%s listeners=%s connections=%d", until, ",".join(names),
@@ -500,9 +503,11 @@ class App:
         follows.
 
         ``offering``: the listeners stay open (and this process accepts on them) until
-        a successor takes them over or the window ends. Otherwise accepting stops now
-        and both ports are released at once, so a replacement that binds its own
-        starts, rather than failing on a port this process drains on."""
+        a successor takes them over or the window ends, however few connections there
+        are to close. Otherwise accepting stops now and both ports are released at once,
+        so a replacement that binds its own starts, rather than failing on a port this
+        process drains on."""
+        start = time.monotonic()
         if offering:
             log.info("shutdown drain: accepting and offering the listeners until a "
                      "successor takes them over or the window ends window=%gs", window)
@@ -515,6 +520,18 @@ class App:
                  "connections=%d window=%gs handed_over=%s", len(conns), window,
                  self.proxy.handed_over)
         closed = spread_close(conns, window)
+        if offering:
+            # The closes may be over early (few or no connections): the offer stands
+            # for the whole window, for a replacement that is still starting.
+            self._successor_accepts.wait(max(0.0, start + window - time.monotonic()))
+            # Connections accepted here since SIGTERM: spread over what is left of the
+            # window too (at its end, if no successor came, the shutdown closes them).
+            late = self.registry.live_connections()
+            left = start + window - time.monotonic()
+            if late and left > 0:
+                log.info("shutdown drain: closing the connections accepted while "
+                         "draining connections=%d window=%gs", len(late), left)
+                closed += spread_close(late, left)
         log.info("shutdown drain over closed=%d handed_over=%s", closed,
                  self.proxy.handed_over)
 

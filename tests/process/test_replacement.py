@@ -94,6 +94,47 @@ def test_replacement_during_the_drain_takes_over_without_a_refused_connection(
             new.reap()
 
 
+def test_the_offer_stands_for_the_whole_window_with_no_connection_to_drain(
+        upstream, tmp_path: Path):
+    # No connection open at SIGTERM: the closes are over at once, but the listeners stay
+    # open and offered for the window, for a replacement still starting (a pod's takes
+    # seconds). Found on a real node: a DaemonSet pod with no long-lived client exited
+    # at SIGTERM and 7447 refused until its replacement bound.
+    sock_path = str(tmp_path / "handover.sock")
+    drain = 6.0
+    extra = ("--handover-socket", sock_path, "--shutdown-drain-timeout", f"{drain:g}s")
+    old, bind, health = start_first(upstream.address, *extra)
+    new: Proc | None = None
+    loop: ClientLoop | None = None
+    try:
+        wait_until(lambda: os.path.exists(sock_path), 10, message="the old one offers")
+        old.signal(signal.SIGTERM)
+        t_term = time.monotonic()
+        wait_until(lambda: old.saw("shutdown drain: accepting and offering"), drain,
+                   message="the old one drains and still offers")
+        loop = ClientLoop(bind, GREETING, every=0.005, max_attempts=6000, max_s=60).start()
+        # Half the window later the old one still accepts, then the replacement comes.
+        wait_until(lambda: time.monotonic() - t_term >= drain / 2, drain, interval=0.05,
+                   message="half the window")
+        assert old.popen.poll() is None, old.log
+        new = Proc(proxy_args(bind, health, upstream.address, *extra))
+        wait_until(lambda: new.saw("handover: took over listeners"), 20,
+                   message="the replacement took the listeners")
+        assert old.wait(drain + SHUTDOWN_BOUND_S + 5) == 0
+        before = loop.result.ok
+        wait_until(lambda: loop.result.ok >= before + 50, 20,
+                   message="connections through the replacement")
+        result = loop.stop()
+        assert result.failed == 0, (result.failures, result.attempts)
+        assert new.popen.poll() is None
+    finally:
+        if loop is not None:
+            loop.stop()
+        old.reap()
+        if new is not None:
+            new.reap()
+
+
 def test_replacement_without_handover_binds_both_ports_during_the_drain(upstream):
     # No handover socket: the listener closes at SIGTERM (refused until the replacement
     # binds, as docs/lifecycle.md says), and the health port is released with it, so the
