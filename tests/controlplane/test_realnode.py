@@ -187,7 +187,18 @@ def test_static_pod_boots_the_node_through_7445(node: RealNodes) -> None:
     assert apis, "no kubelet connection through 127.0.0.1:7445"
     logs = kubectl(cp, "-n", NS, "logs", name, "-c", "extractedprism").stdout
     assert 'msg="extractedprism started" listen=127.0.0.1:7445' in logs
-    assert node.lb_pids(NODE), "no product process in the node's cgroups"
+    pids = node.lb_pids(NODE)
+    assert pids, "no product process in the node's cgroups"
+    # As runc ran it: uid 65534, no capabilities, a read-only root, the node's network.
+    status = Path(f"/proc/{pids[0]}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    assert fields["Uid"].split()[:2] == ["65534", "65534"], fields["Uid"]
+    assert int(fields["CapEff"], 16) == 0 and int(fields["CapPrm"], 16) == 0
+    root = next(line.split() for line in Path(f"/proc/{pids[0]}/mountinfo").read_text()
+                .splitlines() if line.split()[4] == "/")
+    assert "ro" in root[5].split(","), root
+    assert (os.stat(f"/proc/{pids[0]}/ns/net").st_ino
+            == os.stat(f"/run/netns/{node.netns(NODE)}").st_ino)
 
 
 def _chart(cp: Any, node: RealNodes, **values: Any) -> list[dict[str, Any]]:
@@ -236,6 +247,7 @@ def test_daemonset_roll_and_delete_pod_refuse_nothing(node: RealNodes, tmp_path:
         loop = node.client_loop(NODE, DS_PORT, stop)
         time.sleep(2)  # the loop runs through the first pod before the roll
         t0 = time.monotonic()
+        events = {"roll": round(time.time(), 2)}
         _apply(cp, _chart(cp, node, image={"pullPolicy": "Never", "tag": f"{version}-b"}))
         wait_until(lambda: _settled(cp, selector, f"{version}-b") is not None, 120,
                    interval=1, message="the roll done: one pod, the new image, Ready")
@@ -244,6 +256,7 @@ def test_daemonset_roll_and_delete_pod_refuse_nothing(node: RealNodes, tmp_path:
         victim = _settled(cp, selector, f"{version}-b")
         assert victim is not None
         t0 = time.monotonic()
+        events["delete"] = round(time.time(), 2)
         kubectl(cp, "-n", NS, "delete", "pod", victim["metadata"]["name"], "--wait=false")
 
         def replaced() -> bool:
@@ -262,7 +275,7 @@ def test_daemonset_roll_and_delete_pod_refuse_nothing(node: RealNodes, tmp_path:
         record("real node DaemonSet", roll_s=round(roll_s, 1), delete_s=round(delete_s, 1),
                attempts=result["attempts"], failures=result["failures"],
                longest_lease_gap_s=round(gap, 1))
-        assert result["failures"] == {}, result
+        assert result["failures"] == {}, (result, events)
         assert result["ok"] >= 100, result
         assert restarts == 0, "the replacement crash-looped"
         logs = kubectl(cp, "-n", NS, "logs", new["metadata"]["name"], "-c",

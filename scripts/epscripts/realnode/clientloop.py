@@ -3,8 +3,8 @@ node's 127.0.0.1:PORT to the API servers, ``GET /readyz`` on each; run inside th
 network namespace (``nsenter --net``) until ``--stop-file`` appears or ``--max-s`` pass.
 
 Prints one JSON line at the end: attempts, ok, failures by kind ("refused", "reset",
-"timeout", "tls", "http <status>", ...), and the monotonic times of the first and last
-failure. Standard library only.
+"timeout", "tls", "http <status>", ...), the time from the first failure to the last, and
+the wall time and kind of the first 50 failures. Standard library only.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def main() -> None:
     failures: Counter[str] = Counter()
     attempts = ok = 0
     first = last = None
+    failed_at: list[tuple[float, str]] = []  # wall time and kind, the first 50
     t_end = time.monotonic() + args.max_s
     while (time.monotonic() < t_end and attempts < args.max_attempts
            and not os.path.exists(args.stop_file)):
@@ -71,11 +72,14 @@ def main() -> None:
             ok += 1
         else:
             failures[outcome] += 1
+            if len(failed_at) < 50:
+                failed_at.append((round(time.time(), 2), outcome))
             first = t if first is None else first
             last = t
         time.sleep(max(0.0, args.every - (time.monotonic() - t)))
     print(json.dumps({"attempts": attempts, "ok": ok, "failures": dict(failures),
-                      "gap_s": round(last - first, 2) if first is not None else 0.0}),
+                      "gap_s": round(last - first, 2) if first is not None else 0.0,
+                      "failed_at": failed_at}),
           flush=True)
 
 
