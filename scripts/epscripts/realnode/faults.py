@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -154,6 +155,7 @@ def run(rn: Any, node: str, kind: str, hold: float = 30.0, settle: float = 20.0
             loop.wait()
             out["clients"] = f"no result: {exc!r}"
         out.update(sampler.stop())
+        shutil.rmtree(stop_file.parent, ignore_errors=True)
     return out
 
 
