@@ -13,10 +13,13 @@ force-close in-flight connections, wait for pipe threads), and the health server
 graceful shutdown, started at the same time as the proxy's. Every wait is against that
 one deadline, so SIGTERM ends the process within about 5 s whatever is stuck (a probe
 in getaddrinfo, a list call in flight): a daemon thread still running at the deadline
-is logged by name once and abandoned. The admin socket and the handover offer are told
-to stop at once and waited for against the same deadline, never before it. With
-``--shutdown-drain-timeout`` above 0 a drain comes first: accepting stops, live
-connections are closed spread evenly over the window, and the spec's shutdown follows.
+is logged by name once and abandoned. The admin socket is told to stop at once and
+waited for against the same deadline, never before it. With ``--shutdown-drain-timeout``
+above 0 a drain comes first: live connections are closed spread evenly over the window,
+and the spec's shutdown follows. During the drain, with ``--handover-socket``, the
+listeners stay open and offered, so a replacement started meanwhile (``kubectl delete
+pod``) takes them over as in an upgrade; without it both ports are released at the
+drain's start, so a replacement binds them instead of failing on the health port.
 """
 
 from __future__ import annotations
@@ -160,6 +163,11 @@ class App:
         self.health: HealthServer | None = None  # made in start(), after the proxy binds
         self.admin: AdminServer | None = None  # with --admin-socket, made in start()
         self._offer: handover.Offer | None = None
+        # Set when the shutdown closes the listeners for good: from then on nothing is
+        # offered (until then, during a shutdown drain, a successor may still take them).
+        self._listeners_closing = threading.Event()
+        # Set when a successor accepts on the listeners (ends an offering drain's wait).
+        self._successor_accepts = threading.Event()
         self._state_writer: statefile.StateWriter | None = None
         self._cache_in_use = False
         self._started = False
@@ -276,8 +284,8 @@ class App:
 
     def _offered_listeners(self) -> dict[str, socket.socket]:
         out: dict[str, socket.socket] = {}
-        if self.stop_event.is_set():
-            return out  # shutting down: the listeners close; a successor binds its own
+        if self._listeners_closing.is_set():
+            return out  # they close now; a successor binds its own
         if self.proxy.listener is not None and not self.proxy.handed_over:
             out["proxy"] = self.proxy.listener
         if self.health is not None:
@@ -290,8 +298,10 @@ class App:
             self.proxy.stop_accepting()
         if "health" in names and self.health is not None:
             self.health.stop_accepting()
+        self._successor_accepts.set()
+        until = "the drain ends" if self.stop_event.is_set() else "SIGTERM"
         log.info("handover: a successor accepts now; serving open connections until "
-                 "SIGTERM listeners=%s connections=%d", ",".join(names),
+                 "%s listeners=%s connections=%d", until, ",".join(names),
                  self.registry.snapshot().connections_active)
 
     def _start_threads(self, *, successor: bool = False) -> None:
@@ -450,17 +460,22 @@ class App:
         server) waits against one deadline; before it, stopping is only telling.
         """
         self.stop_event.set()
-        # Told now, waited for at the deadline below: neither answers nor offers from
-        # here on, and neither's wait (a request in hand, a successor's answer) comes
-        # before the drain or the deadline.
+        # Told now, waited for at the deadline below: the admin socket answers no more,
+        # and its wait (a request in hand) never comes before the drain or the deadline.
         if self.admin is not None:
             self.admin.begin_stop()
-        if self._offer is not None and self._offer.begin_stop():
-            # SIGTERM in the middle of a handover: the successor may accept on the
-            # listener already, so it is closed here, never shut down.
-            self.proxy.share_listener()
-        if self.config.shutdown_drain_timeout > 0 and self._started:
-            self._shutdown_drain(self.config.shutdown_drain_timeout)
+        drain = self.config.shutdown_drain_timeout if self._started else 0.0
+        # With a handover socket and a drain, the listeners stay open and offered through
+        # the drain, for a successor started while this one drains (the replacement pod
+        # of `kubectl delete pod`, an eviction): it takes both over, as in an upgrade,
+        # and no connection is refused in between (docs/lifecycle.md).
+        offering = (drain > 0 and self._offer is not None and not self.proxy.handed_over)
+        if not offering:
+            self._stop_offering()
+        if drain > 0:
+            self._shutdown_drain(drain, offering=offering)
+            if offering:
+                self._stop_offering()
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
 
         def left() -> float:
@@ -488,17 +503,51 @@ class App:
         log.info("extractedprism stopped clean=%s", ok)
         return ok
 
-    def _shutdown_drain(self, window: float) -> None:
-        """Stop accepting, then close the live connections spread evenly over
-        ``window`` (shutdown_drain.py). Whatever is left is force-closed by the
-        shutdown that follows."""
-        self.proxy.close_listener()  # refused from now on, unless a successor accepts
+    def _stop_offering(self) -> None:
+        """No handover starts from here on; the listeners are to close."""
+        self._listeners_closing.set()
+        if self._offer is not None and self._offer.begin_stop():
+            # SIGTERM in the middle of a handover (or after one): the successor may
+            # accept on the listener already, so it is closed here, never shut down.
+            self.proxy.share_listener()
+
+    def _shutdown_drain(self, window: float, *, offering: bool) -> None:
+        """Close the live connections spread evenly over ``window``
+        (shutdown_drain.py); whatever is left is force-closed by the shutdown that
+        follows.
+
+        ``offering``: the listeners stay open (and this process accepts on them) until
+        a successor takes them over or the window ends, however few connections there
+        are to close. Otherwise accepting stops now and both ports are released at once,
+        so a replacement that binds its own starts, rather than failing on a port this
+        process drains on."""
+        start = time.monotonic()
+        if offering:
+            log.info("shutdown drain: accepting and offering the listeners until a "
+                     "successor takes them over or the window ends window=%gs", window)
+        else:
+            self.proxy.close_listener()  # refused from now on, unless a successor accepts
+            if self.health is not None:
+                self.health.stop_accepting()  # the port is free for a replacement
         conns = self.registry.live_connections()
         log.info("shutdown drain: closing connections spread over the window "
                  "connections=%d window=%gs handed_over=%s", len(conns), window,
                  self.proxy.handed_over)
         closed = spread_close(conns, window)
-        log.info("shutdown drain over closed=%d", closed)
+        if offering:
+            # The closes may be over early (few or no connections): the offer stands
+            # for the whole window, for a replacement that is still starting.
+            self._successor_accepts.wait(max(0.0, start + window - time.monotonic()))
+            # Connections accepted here since SIGTERM: spread over what is left of the
+            # window too (at its end, if no successor came, the shutdown closes them).
+            late = self.registry.live_connections()
+            left = start + window - time.monotonic()
+            if late and left > 0:
+                log.info("shutdown drain: closing the connections accepted while "
+                         "draining connections=%d window=%gs", len(late), left)
+                closed += spread_close(late, left)
+        log.info("shutdown drain over closed=%d handed_over=%s", closed,
+                 self.proxy.handed_over)
 
     def __enter__(self) -> App:
         self.start()

@@ -17,11 +17,16 @@ instance before the new one has it (a listener the successor did not take is nev
 closed by the handover at all).
 
 Protocol (one connection, both sides bounded in time): the offerer sends one line of
-JSON ``{"version": 1, "pid": N, "listeners": ["proxy", "health"]}`` carrying the
-descriptors in that order; the taker answers ``{"taken": [...]}`` once it accepts on
-those. A connection that ends without an answer takes nothing: the offerer goes on as
-before and keeps offering. A socket file nobody answers on (an instance that died) is
-removed and the start is an ordinary one.
+JSON ``{"version": 1, "pid": N, "pidns": I, "host": H, "app": V, "listeners": ["proxy",
+"health"]}`` carrying the descriptors in that order; the taker answers ``{"taken": [...],
+"pid": N, "pidns": I, "host": H}`` once it accepts on those. ``pidns`` (the inode of the
+sender's PID namespace) and ``host`` are there because in a container the pid is the one
+in the pod's own PID namespace, usually 1, which names nobody on the node: ``lsns -t
+pid`` there finds the process by the inode. Every field but ``version`` and
+``listeners`` is optional (an older peer leaves them out). A connection that ends
+without an answer takes nothing: the offerer goes on as before and keeps offering. A
+socket file nobody answers on (an instance that died) is removed and the start is an
+ordinary one.
 
 Threads: ``handover-offer`` (offerer side) accepts one successor at a time. The taking
 side runs on the main thread during start-up.
@@ -41,6 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from extractedprism import __version__
 from extractedprism.ops.unixsock import UnixSocketError, listen_private, unlink_if_same
 from extractedprism.threads import join_until, start_daemon
 
@@ -57,6 +63,30 @@ REPLY_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 5.0
 
 
+def identity() -> dict[str, object]:
+    """Who this process is, for the other side's log: pid, the inode of its PID
+    namespace (0 when unreadable), host name."""
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = 0
+    return {"pid": os.getpid(), "pidns": pidns, "host": socket.gethostname()}
+
+
+def describe_peer(msg: dict[str, object]) -> str:
+    """``pid=N pidns=I host=H`` of a peer's message, for a log line; absent fields left
+    out (an older peer sends only its pid)."""
+    parts = []
+    for key in ("pid", "pidns", "host", "app"):
+        value = msg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | str) or value == "":
+            continue
+        text = str(value)[:64]
+        parts.append(f"{key}={text}" if text.isprintable() and " " not in text
+                     else f"{key}={text!r}")
+    return " ".join(parts) or "pid=?"
+
+
 @dataclass
 class Received:
     """What a predecessor handed over: listening sockets by name, to use or give back."""
@@ -64,6 +94,8 @@ class Received:
     sockets: dict[str, socket.socket] = field(default_factory=dict)
     conn: socket.socket | None = None
     pid: int = 0
+    # The predecessor as its offer describes itself (describe_peer), for the log.
+    peer: str = "pid=?"
 
     def take(self, name: str) -> socket.socket | None:
         return self.sockets.pop(name, None)
@@ -79,9 +111,12 @@ class Received:
             return
         try:
             conn.settimeout(REPLY_TIMEOUT_S)
-            conn.sendall(json.dumps({"taken": list(taken)}).encode() + b"\n")
-            log.info("handover: took over listeners from pid=%d listeners=%s",
-                     self.pid, ",".join(taken) or "-")
+            conn.sendall(json.dumps({"taken": list(taken), **identity()}).encode()
+                         + b"\n")
+            # In a container the pid is the one in the predecessor's own PID namespace
+            # (usually 1): pidns and host say which process it is (lsns -t pid).
+            log.info("handover: took over listeners from %s listeners=%s",
+                     self.peer, ",".join(taken) or "-")
         except OSError as exc:
             log.warning("handover: could not tell the predecessor pid=%d error=%r; it "
                         "keeps accepting on the shared listeners too", self.pid, str(exc))
@@ -143,14 +178,14 @@ def receive(path: str, timeout: float = CONNECT_TIMEOUT_S) -> Received | None:
     # of what a predecessor sent.
     pending = list(fds)
     try:
-        pid, names = _parse_offer(msg, len(fds))
+        pid, names, offer = _parse_offer(msg, len(fds))
     except ValueError as exc:
         _close_fds(pending)
         conn.close()
         log.warning("handover: the offer is not one this version understands; ignored "
                     "path=%s reason=%r", path, str(exc))
         return None
-    received = Received(conn=conn, pid=pid)
+    received = Received(conn=conn, pid=pid, peer=describe_peer(offer))
     try:
         for name, fd in zip(names, fds, strict=True):
             pending.remove(fd)
@@ -167,13 +202,14 @@ def receive(path: str, timeout: float = CONNECT_TIMEOUT_S) -> Received | None:
         _close_fds(pending)
         received.abort()
         raise
-    log.info("handover: offered listeners pid=%d listeners=%s", received.pid,
+    log.info("handover: offered listeners %s listeners=%s", received.peer,
              ",".join(received.sockets) or "-")
     return received
 
 
-def _parse_offer(msg: bytes, nfds: int) -> tuple[int, list[str]]:
-    """(pid, listener names) of an offer message; ValueError saying what is wrong."""
+def _parse_offer(msg: bytes, nfds: int) -> tuple[int, list[str], dict[str, object]]:
+    """(pid, listener names, the whole offer) of an offer message; ValueError saying
+    what is wrong."""
     try:
         offer = json.loads(msg.decode())
     except (UnicodeDecodeError, ValueError):
@@ -188,7 +224,7 @@ def _parse_offer(msg: bytes, nfds: int) -> tuple[int, list[str]]:
     if len(names) != nfds:
         raise ValueError(f"{len(names)} listeners named, {nfds} descriptors received")
     pid = offer.get("pid")
-    return (pid if isinstance(pid, int) and not isinstance(pid, bool) else 0), names
+    return (pid if isinstance(pid, int) and not isinstance(pid, bool) else 0), names, offer
 
 
 def _listener(fd: int) -> tuple[socket.socket | None, str]:
@@ -377,7 +413,8 @@ class Offer:
                 return []
             self._in_flight = True
         names = list(offered)
-        msg = json.dumps({"version": VERSION, "pid": os.getpid(), "listeners": names})
+        msg = json.dumps({"version": VERSION, **identity(), "app": __version__,
+                          "listeners": names})
         socket.send_fds(conn, [msg.encode() + b"\n"], [s.fileno() for s in offered.values()])
         log.info("handover: offered listeners to a successor listeners=%s",
                  ",".join(names))
@@ -393,12 +430,15 @@ class Offer:
                 break
             reply += chunk
         try:
-            taken = json.loads(reply.decode())["taken"]
+            answer = json.loads(reply.decode())
+            taken = answer["taken"]
             if not isinstance(taken, list):
                 raise TypeError
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             log.warning("handover: the successor took nothing; still accepting and "
                         "offering")
             return []
+        log.info("handover: the successor took listeners %s listeners=%s",
+                 describe_peer(answer), ",".join(str(n) for n in taken) or "-")
         # Only names this instance offered: anything else is not ours to stop.
         return [n for n in taken if n in offered]

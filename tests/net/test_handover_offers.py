@@ -132,7 +132,10 @@ def test_an_unusable_descriptor_in_the_offer_is_closed_and_the_start_binds_its_o
         assert http(app.health_address, "/healthz")[0] == 200
         wait_until(lambda: not offerer.thread.is_alive(), 10, message="the offerer answered")
         # Told it took nothing, so a real predecessor would go on accepting.
-        assert json.loads(offerer.reply) == {"taken": []}
+        reply = json.loads(offerer.reply)
+        assert reply["taken"] == []
+        # The successor names itself (its pid alone names nobody in a container).
+        assert reply["pid"] == os.getpid() and reply["pidns"] > 0 and reply["host"]
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         for name in ("proxy", "health"):
             assert any(f"the predecessor's {name} listener is unusable" in m and reason in m
@@ -205,3 +208,18 @@ def test_neither_unix_socket_changes_the_process_umask(tmp_path: Path,
     finally:
         offer.stop()
         admin.stop()
+
+
+def test_the_peer_is_described_by_pid_namespace_and_host_not_by_pid_alone():
+    # In a container the predecessor's pid is 1 in its own PID namespace; the inode of
+    # that namespace and the host name say which process it was (lsns -t pid).
+    assert handover.describe_peer({"pid": 1, "pidns": 4026532801, "host": "node-a",
+                                   "app": "1.2.3"}) == (
+        "pid=1 pidns=4026532801 host=node-a app=1.2.3")
+    # An older peer sends its pid only; odd values are quoted or left out, never trusted.
+    assert handover.describe_peer({"pid": 77}) == "pid=77"
+    assert handover.describe_peer({"pid": True, "host": "a b\n", "pidns": [1]}) == (
+        "host='a b\\n'")
+    assert handover.describe_peer({}) == "pid=?"
+    me = handover.identity()
+    assert me["pid"] == os.getpid() and me["pidns"] == os.stat("/proc/self/ns/pid").st_ino

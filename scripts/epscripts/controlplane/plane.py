@@ -560,6 +560,12 @@ class ControlPlane:
     def down(self) -> list[str]:
         """Stop every process, delete every namespace and link this run made; idempotent."""
         done = []
+        if (self.state.get("realnode") or {}).get("nodes"):
+            # Real nodes first (scripts/realnode): their mounts, cgroups, containers and
+            # the sysctls their kubelets changed are not in the journal below.
+            from epscripts.realnode.node import RealNodes
+
+            done += RealNodes(self).down()
         names = sorted(self.state["pids"], key=lambda n: n == "etcd")  # apiservers first
         for name in names:
             pid = self.pid(name)

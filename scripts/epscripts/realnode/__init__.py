@@ -1,0 +1,1 @@
+"""Real nodes on a scripts/controlplane run: kubelet + containerd + runc + CNI (docs/fleet.md)."""
