@@ -325,8 +325,8 @@ FLAGS: tuple[Flag, ...] = (
         "str",
         "auto",
         "CPU for the threads that run Python (acceptor and pipe threads), so the GIL never "
-        "crosses CPUs on a hand-off; the native relay, which needs no GIL, runs on every CPU. "
-        "auto: the highest CPU this process may use, when it "
+        "crosses CPUs on a hand-off; a connection that keeps moving bytes is let out to every "
+        "CPU after a few relay wake-ups. auto: the highest CPU this process may use, when it "
         "may use two or more; off: no pinning; or a CPU number",
         checks=(Check(gil_cpu_valid, "must be auto, off, or a CPU this process may run on"),),
         group="datapath",

@@ -16,7 +16,7 @@
  *             live so other threads can read them (the stall check, upstreams/activity.py,
  *             reads the third; one store per read, none per byte).
  *   pin       the CPU + 1 the calling thread is pinned to (--gil-cpu), or 0: see
- *             release_cpu below.
+ *             UNPIN_AFTER below.
  *
  * Returns errno 0 when both directions ended with EOF (each passed on with
  * shutdown(SHUT_WR) after the bytes read before it were written), else the errno of
@@ -96,16 +96,12 @@
 #define WOKE (POLLERR | POLLHUP | POLLNVAL)
 
 /* --gil-cpu (sched.py): a pipe thread pinned to the GIL's CPU passes pin = that CPU + 1.
- * The bytes need no GIL, so for the whole GIL-released call the thread may run on every
- * CPU the process may use (all_cpus, read at import, before any thread was pinned):
- * release_cpu allows them where the thread is (no move: a short connection's relay stays
- * where its Python ran unless the kernel's wake-up placement moves it), and the thread is
- * pinned back before the call returns to Python (repin). A connection still busy after
- * SPREAD_AFTER wake-ups and still on the GIL's CPU is spread (spread_out). Issue 39. */
-#define SPREAD_AFTER 16
+ * A connection still busy after UNPIN_AFTER relay wake-ups is let out to every CPU the
+ * process may use (all_cpus, read at import, before any thread was pinned) for the rest
+ * of the call, since the bytes need no GIL; it is pinned back before the call returns. */
+#define UNPIN_AFTER 16
 static cpu_set_t all_cpus;
 static int have_all_cpus;
-static unsigned spread_turn; /* round robin over the busy relays found on the GIL's CPU */
 
 /* One direction, src -> dst. */
 struct half {
@@ -177,7 +173,7 @@ static int pump(struct half *h) {
         }
         h->pending = (size_t)n;
         /* The answered mark before the count, the count with release order: a reader
-         * (upstreams/registry.py reads up, down, then answered) that sees the upstream's
+         * (upstreams/stalls.py reads up, down, then answered) that sees the upstream's
          * new bytes sees what they answer too. The other order let a sample between the
          * two stores see new bytes down with an old mark: unanswered bytes, a stall clock
          * started that nothing later cleared (issue 37, finding 12). */
@@ -205,39 +201,18 @@ static void interest(struct pollfd *p, int fd, const struct half *in, const stru
     p->revents = 0;
 }
 
-/* A pinned thread (pin = the GIL's CPU + 1) entering its GIL-released call: allowed every
- * CPU, where it is (no migration). 1 when released (repin must follow). */
-static int release_cpu(int pin) {
-    return pin && have_all_cpus && sched_setaffinity(0, sizeof all_cpus, &all_cpus) == 0;
-}
-
-/* Back to the GIL's CPU before Python runs again on this thread. */
-static void repin(int pin, int released) {
-    if (!released) return;
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(pin - 1, &one);
-    (void)sched_setaffinity(0, sizeof one, &one);
-}
-
-/* A busy relay still on the GIL's CPU: all but one in every CPU-count of them are moved to
- * the other CPUs, then allowed all again. Allowing alone leaves a burst of keep-alive
- * relays where their Python ran (the kernel's wake-up placement keeps a thread near its
- * waker): 64 of them shared one CPU, keep-alive p99 42 ms against 6.6 ms unpinned. Moving
- * every one of them (this function before issue 39) piled them all on the other CPU. */
-static void spread_out(int gil_cpu) {
-    int ncpus = CPU_COUNT(&all_cpus);
-    if (ncpus < 2 || sched_getcpu() != gil_cpu ||
-        __atomic_fetch_add(&spread_turn, 1, __ATOMIC_RELAXED) % (unsigned)ncpus == 0)
-        return;
+/* Move the calling thread off the GIL's CPU, then allow it every CPU. Only allowing them
+ * would leave it where it is: 64 keep-alive connections let out that way still shared
+ * one CPU (keep-alive p99 42 ms against 6.6 ms unpinned); the move spreads them and
+ * the kernel's balancing takes it from there. 1 when it was let out. */
+static int let_out(int gil_cpu) {
     cpu_set_t others = all_cpus;
     CPU_CLR(gil_cpu, &others);
-    (void)sched_setaffinity(0, sizeof others, &others);
-    (void)sched_setaffinity(0, sizeof all_cpus, &all_cpus);
+    if (CPU_COUNT(&others) > 0) (void)sched_setaffinity(0, sizeof others, &others);
+    return sched_setaffinity(0, sizeof all_cpus, &all_cpus) == 0;
 }
 
-/* gil_cpu: the GIL's CPU when the thread was released (release_cpu), else -1. */
-static int run_loop(struct half h[2], int gil_cpu) {
+static int run_loop(struct half h[2], int pin, int *unpinned) {
     int c = h[0].src, u = h[1].src;
     int wakes = 0;
     while (!(h[0].shut && h[1].shut)) {
@@ -248,7 +223,7 @@ static int run_loop(struct half h[2], int gil_cpu) {
             if (errno == EINTR) continue;
             return errno;
         }
-        if (gil_cpu >= 0 && ++wakes == SPREAD_AFTER) spread_out(gil_cpu);
+        if (pin && ++wakes == UNPIN_AFTER) *unpinned = let_out(pin - 1);
         for (int d = 0; d < 2; d++) {
             /* Direction d writes to pf[1-d]'s fd and reads from pf[d]'s. A HUP or ERR
              * wakes whichever call will report it: the write's or the read's. */
@@ -263,11 +238,17 @@ static int run_loop(struct half h[2], int gil_cpu) {
     return 0;
 }
 
-/* released: release_cpu's answer for this call (pin = the GIL's CPU + 1). */
-static int run(struct half h[2], int pin, int released) {
-    int err = run_loop(h, released ? pin - 1 : -1);
+static int run(struct half h[2], int pin) {
+    int unpinned = 0;
+    int err = run_loop(h, pin && have_all_cpus, &unpinned);
     shrink(&h[0]);
     shrink(&h[1]);
+    if (unpinned) { /* back to the GIL's CPU before Python runs again on this thread */
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(pin - 1, &one);
+        (void)sched_setaffinity(0, sizeof one, &one);
+    }
     return err;
 }
 
@@ -304,9 +285,7 @@ static PyObject *relay(PyObject *self, PyObject *args) {
         return NULL;
     int err;
     Py_BEGIN_ALLOW_THREADS
-    int released = release_cpu(pin);
-    err = (set_nonblocking(cfd) < 0 || set_nonblocking(ufd) < 0) ? errno : run(h, pin, released);
-    repin(pin, released);
+    err = (set_nonblocking(cfd) < 0 || set_nonblocking(ufd) < 0) ? errno : run(h, pin);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&counters);
     return Py_BuildValue("(inni)", err, (Py_ssize_t)h[0].pending, (Py_ssize_t)h[1].pending,
@@ -581,8 +560,6 @@ static PyObject *judged_relay(PyObject *self, PyObject *args) {
     Py_ssize_t n = have ? PyBytes_GET_SIZE(first) : 0;
     int err = 0, found = ANSWERED;
     Py_BEGIN_ALLOW_THREADS
-    /* The wait for the first answer needs no GIL either: released for the whole call. */
-    int released = release_cpu(pin);
     if (set_nonblocking(cfd) < 0 || set_nonblocking(ufd) < 0) {
         err = errno;
     } else {
@@ -597,10 +574,9 @@ static PyObject *judged_relay(PyObject *self, PyObject *args) {
             /* The upstream answered, so its socket is readable: move the answer now
              * instead of asking poll first (one system call fewer per connection). */
             err = pump(&h[1]);
-            if (!err) err = run(h, pin, released);
+            if (!err) err = run(h, pin);
         }
     }
-    repin(pin, released);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&counters);
     PyObject *out;
@@ -648,7 +624,7 @@ PyMODINIT_FUNC PyInit__relay(void) {
     /* Imported by the main thread at start, before any pipe thread is pinned. */
     have_all_cpus = sched_getaffinity(0, sizeof all_cpus, &all_cpus) == 0;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "SPREAD_AFTER_WAKEUPS", SPREAD_AFTER) < 0) {
+    if (m != NULL && PyModule_AddIntConstant(m, "UNPIN_AFTER_WAKEUPS", UNPIN_AFTER) < 0) {
         Py_DECREF(m);
         return NULL;
     }

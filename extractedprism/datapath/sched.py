@@ -72,12 +72,10 @@ def apply_to_current_thread(name: str) -> bool:
 # held). Kept on one CPU, each of those hand-offs is a local context switch instead.
 # Measured with 64 clients opening one connection per request: context switches per
 # connection 8.8 -> 3.8, new connections/s 0.34 -> 0.42 of HAProxy's in the same run
-# (docs/performance.md). A thread is held to that CPU only while it may run Python: the
-# bytes need no GIL, so the native relay lets its thread run on every CPU for the whole
-# GIL-released call and pins it back before it returns (_relay.c, release_cpu; the
-# pure-Python relay, being GIL-bound, stays). Held for the relay too, 64 keep-alive
-# connections shared one CPU (p99 4.8 -> 87 ms), and letting them out only after 16
-# wake-ups put a burst's first requests there (issue 39).
+# (docs/performance.md). The bytes need no GIL, so a connection that keeps moving them
+# is let out to every CPU after _relay.UNPIN_AFTER_WAKEUPS relay wake-ups (_relay.c; the
+# pure-Python relay, being GIL-bound, stays): without that, 64 keep-alive connections
+# on one CPU took keep-alive p99 from 4.8 ms to 87 ms.
 
 
 def gil_cpu_plan(value: str) -> tuple[int, set[int]] | None:

@@ -1,6 +1,5 @@
-"""--gil-cpu: the acceptor and pipe threads run Python on one CPU; the native relay runs
-on every CPU for the whole call and the thread is pinned back before it runs Python
-again (sched.py, _relay.c)."""
+"""--gil-cpu: the acceptor and pipe threads run Python on one CPU; a busy connection's
+relay is let out to every CPU and pinned back when it ends (sched.py, _relay.c)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from tests.util import connect, wait_until
 
 ALLOWED = allowed_cpus() or set()
 needs_two = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs to pin to one")
-SPREAD_AFTER = 16  # _relay.SPREAD_AFTER_WAKEUPS, restated so a change to it is noticed
+UNPIN_AFTER = 16  # _relay.UNPIN_AFTER_WAKEUPS, restated so a change to it is noticed
 
 
 def affinity(thread: threading.Thread) -> set[int]:
@@ -70,8 +69,8 @@ def round_trips(sock, n: int) -> None:  # type: ignore[no-untyped-def]
 @needs_two
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("path", ["native", "python"])
-def test_threads_are_pinned_and_the_native_relay_is_let_out(make_app, servers,
-                                                            monkeypatch, path) -> None:
+def test_threads_are_pinned_and_a_busy_native_relay_is_let_out(make_app, servers,
+                                                               monkeypatch, path) -> None:
     cpu = min(ALLOWED)  # not auto's choice, so the test shows the flag is followed
     (echo,) = servers(1, EchoServer)
     app = relay_app(make_app, monkeypatch, path, [echo.endpoint], gil_cpu=str(cpu))
@@ -79,22 +78,20 @@ def test_threads_are_pinned_and_the_native_relay_is_let_out(make_app, servers,
     (acceptor,) = threads("acceptor")
     assert affinity(acceptor) == {cpu}
 
-    # The native relay moves the bytes without the GIL: let out to every CPU from its
-    # first byte. The Python loop needs the GIL for every byte: it stays.
-    relaying = ALLOWED if path == "native" else {cpu}
     with connect(app) as short:
-        round_trips(short, 2)
+        round_trips(short, 2)  # a few relay wake-ups: stays on the GIL's CPU
         (t,) = wait_until(lambda: threads("pipe-127.0.0.1"), timeout=5)
-        assert affinity(t) == relaying
-    # Parked once its client left (threads start on demand): pinned back to the GIL's CPU
-    # before it ran Python again.
-    wait_until(lambda: t.name.startswith("pipe-idle-"), timeout=5)
+        assert affinity(t) == {cpu}
+    # Parked once its client left (threads start on demand): still on the GIL's CPU.
     idle = wait_until(lambda: threads("pipe-idle-"), timeout=5)
     assert all(affinity(t) == {cpu} for t in idle)
     with connect(app) as busy:
-        round_trips(busy, 2 * SPREAD_AFTER)  # past the spread: still allowed every CPU
+        round_trips(busy, 2 * UNPIN_AFTER)
         (t,) = wait_until(lambda: threads("pipe-127.0.0.1"), timeout=5)
-        assert affinity(t) == relaying
+        # The native relay moves the bytes without the GIL: let out to every CPU. The
+        # Python loop needs the GIL for every byte: it stays.
+        assert affinity(t) == (ALLOWED if path == "native" else {cpu})
+    # Ended: pinned back before the thread runs Python again (parked, renamed idle).
     wait_until(lambda: t.name.startswith("pipe-idle-"), timeout=5)
     assert affinity(t) == {cpu}
 
@@ -106,16 +103,16 @@ def test_off_pins_nothing(make_app, servers) -> None:
     app = make_app([echo.endpoint], gil_cpu="off")
     assert app.proxy.gil_cpu is None
     with connect(app) as s:
-        round_trips(s, 2 * SPREAD_AFTER)
+        round_trips(s, 2 * UNPIN_AFTER)
         (t,) = wait_until(lambda: threads("pipe-127.0.0.1"), timeout=5)
         assert affinity(t) == ALLOWED
     (acceptor,) = threads("acceptor")
     assert affinity(acceptor) == ALLOWED
 
 
-def test_the_extension_says_when_it_spreads() -> None:
+def test_the_extension_says_when_it_lets_out() -> None:
     relay = pytest.importorskip("extractedprism.datapath._relay")
-    assert relay.SPREAD_AFTER_WAKEUPS == SPREAD_AFTER
+    assert relay.UNPIN_AFTER_WAKEUPS == UNPIN_AFTER
 
 
 def test_a_refused_pin_is_logged_once_and_harmless(monkeypatch, caplog) -> None:
