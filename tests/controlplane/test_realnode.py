@@ -226,6 +226,25 @@ def _settled(cp: Any, selector: str, tag: str) -> dict[str, Any] | None:
     return None
 
 
+def _roll_state(cp: Any, selector: str) -> str:
+    """Where a roll stands: each pod's image, phase, readiness, deletion and container
+    states, the DaemonSet's status, and whether the controllers still run."""
+    try:
+        lines = [f"pod {p['metadata']['name']} image={p['spec']['containers'][0]['image']} "
+                 f"phase={(p.get('status') or {}).get('phase')} ready={ready(p)} "
+                 f"deleting={bool(p['metadata'].get('deletionTimestamp'))} "
+                 f"containers={(p.get('status') or {}).get('containerStatuses')}"
+                 for p in pods(cp, selector)]
+        ds = kubectl(cp, "-n", NS, "get", "daemonset", "-o", "json", check=False).stdout
+        items = json.loads(ds or "{}").get("items", [])
+        lines.append(f"daemonsets={[d.get('status') for d in items]}")
+        lines.append("controllers running: " + ", ".join(
+            f"{n}={cp.pid(n) is not None}" for n in ("kube-controller-manager", "kube-scheduler")))
+        return "\n".join(lines)
+    except Exception as exc:  # the diagnosis must not hide the failure
+        return f"(roll state unavailable: {exc!r})"
+
+
 def test_daemonset_roll_and_delete_pod_refuse_nothing(node: RealNodes, tmp_path: Path
                                                       ) -> None:
     cp = node.cp
@@ -249,8 +268,14 @@ def test_daemonset_roll_and_delete_pod_refuse_nothing(node: RealNodes, tmp_path:
         t0 = time.monotonic()
         events = {"roll": round(time.time(), 2)}
         _apply(cp, _chart(cp, node, image={"pullPolicy": "Never", "tag": f"{version}-b"}))
-        wait_until(lambda: _settled(cp, selector, f"{version}-b") is not None, 120,
-                   interval=1, message="the roll done: one pod, the new image, Ready")
+        # The roll's own bound is about 35 s (surge pod Ready, minReadySeconds 5, the old
+        # one's 10 s drain and its exit); the rest is room for a loaded CI machine. A
+        # timeout says where the roll stood.
+        try:
+            wait_until(lambda: _settled(cp, selector, f"{version}-b") is not None, 240,
+                       interval=1, message="the roll done: one pod, the new image, Ready")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; {_roll_state(cp, selector)}") from None
         roll_s = time.monotonic() - t0
         # kubectl delete pod: SIGTERM to it and a replacement at once, beside it.
         victim = _settled(cp, selector, f"{version}-b")
