@@ -20,6 +20,7 @@ containerd, runc, the CNI plugins, buildah; the fleet's controllers built).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -49,6 +50,8 @@ if _WHY is None:
 if _WHY:
     pytest.skip(f"real-node tests: {_WHY}", allow_module_level=True)
 
+from epscripts.controlplane import host as cphost  # noqa: E402
+from epscripts.controlplane import plane as cpmod  # noqa: E402
 from epscripts.fleet import observe  # noqa: E402
 from epscripts.fleet.nodes import Fleet  # noqa: E402
 from epscripts.realnode.node import KUBELET_ADDRESS_FLAG, RealNodes, image_name  # noqa: E402
@@ -129,9 +132,32 @@ class LeaseWatch:
 
 
 @pytest.fixture(scope="module")
-def node(control_plane: Any, image: Path) -> Iterator[RealNodes]:
-    # kubectl logs dials the kubelet by address (the node's name resolves nowhere here).
-    restore(control_plane, [KUBELET_ADDRESS_FLAG])
+def own_plane() -> Iterator[Any]:
+    """A control-plane run of this module's own: a real node restarts its API servers
+    with another flag, kills one, and leaves a Node, controllers and a DaemonSet's history
+    behind; the session's run, shared by every other test here, never sees any of it."""
+    link = cphost.state_root() / "current"
+    before = os.readlink(link) if link.is_symlink() else None
+    cp = cpmod.ControlPlane.create(owner_pid=os.getpid())  # points `current` at itself
+    try:
+        t0 = time.monotonic()
+        # kubectl logs dials the kubelet by address (the node's name resolves nowhere
+        # here): the API servers of this run start with that flag.
+        cp.up()
+        restore(cp, [KUBELET_ADDRESS_FLAG])
+        record("real node control plane", up_seconds=round(time.monotonic() - t0, 1))
+        yield cp
+    finally:
+        cp.down()
+        if before is not None:  # the session's run is `current` again (scripts use it)
+            with contextlib.suppress(OSError):
+                link.unlink()
+            link.symlink_to(before)
+
+
+@pytest.fixture(scope="module")
+def node(own_plane: Any, image: Path) -> Iterator[RealNodes]:
+    control_plane = own_plane
     rn = RealNodes(control_plane)
     fleet = Fleet(control_plane)
     try:
